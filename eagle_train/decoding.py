@@ -1,0 +1,440 @@
+"""Tree speculative decoding with an EAGLE draft head (EAGLE-1/2/3), greedy and sampled.
+
+One step, as small functions over explicit state:
+    draft_tree     the head grows a token tree below the root (the last emitted token)
+    tree_mask      each tree node sees the committed cache, its ancestors and itself
+    verify         one target forward over the whole tree (4D mask + tree position ids)
+    accept_greedy / accept_sample   walk the tree from the root
+    commit_cache   keep only the accepted path in the target's KV cache (no re-prefill)
+    head_update    re-run the head on the accepted path with the target's true features
+
+Conventions (SGLang names in brackets):
+    depth             draft steps = depth of the deepest drafted token  [--speculative-num-steps]
+    topk              children per expanded node                        [--speculative-eagle-topk]
+    num_draft_tokens  drafted nodes verified per step, root EXCLUDED    [--speculative-num-draft-tokens
+                      counts the root: SGLang's value = ours + 1]
+    chain             topk 1, `depth` tokens (vLLM --num-speculative-tokens = depth)
+    tau               mean over target passes of (accepted drafted tokens + 1 bonus token)
+
+Invariant between steps: the target cache and the head cache both hold the C committed tokens
+(positions 0..C-1). The root (position C) is emitted but not yet in the target cache; the head
+has already read it as the input id of its pair at position C-1 (pair (token_{t+1}, feature_t)
+at position t predicts token_{t+2}), whose output `last_out` / `last_logp` start the next tree.
+
+A drafter is any object with the head interface: `forward(input_ids, hidden, position_ids,
+kv_cache, attn_mask) -> (out, logits, (k, v))`, a `config` whose `aux_layers` (EAGLE-3) or its
+absence (EAGLE-1: post-norm last hidden state) says which target feature it reads, and an
+optional `d2t` buffer mapping draft ids to target ids (draft_id + d2t[draft_id]).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class SpecConfig:
+    tree: str = "dynamic"  # dynamic (EAGLE-2), chain, static
+    topk: int = 4
+    depth: int = 4
+    num_draft_tokens: int = 8  # root excluded
+    static_tree: Optional[List[List[int]]] = None  # paths of child ranks, e.g. [[0], [1], [0, 0]]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+    @classmethod
+    def from_eval(cls, ecfg, temperature: float = 0.0, **over) -> "SpecConfig":
+        """From the recipe's `eval` section (plus overrides such as a sweep's topk/depth)."""
+        kw = dict(tree=ecfg.tree, topk=ecfg.topk, depth=ecfg.depth, num_draft_tokens=ecfg.num_draft_tokens,
+                  static_tree=[list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
+                  temperature=float(temperature), top_p=ecfg.top_p, max_new_tokens=ecfg.max_new_tokens)
+        kw.update(over)
+        return cls(**kw)
+
+
+@dataclass
+class Tree:
+    """Node 0 is the root. tokens are target ids; parents[i] < i; qs[i] is the distribution
+    (target vocabulary) node i was drawn from (None: deterministic top-k, i.e. one-hot)."""
+    tokens: List[int]
+    parents: List[int]
+    depths: List[int]
+    qs: List[Optional[torch.Tensor]] = field(default_factory=list)
+
+    def children(self) -> List[List[int]]:
+        kids = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    def ancestors(self, i: int) -> List[int]:
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.parents[i]
+        return out[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# probabilities and the acceptance rule
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-p nucleus and renormalised (the vanilla sampler
+    and the speculative one both draw from exactly this p)."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, idx = p.sort(descending=True)
+        drop = sp.cumsum(-1) - sp >= top_p  # keep the smallest prefix whose mass reaches top_p
+        sp[drop] = 0
+        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p / p.sum()
+    return p
+
+
+def sample(p: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def rejection_rule(p: torch.Tensor, q: Optional[torch.Tensor], x: int, generator: torch.Generator):
+    """Multi-candidate speculative sampling (SpecInfer; EAGLE's evaluate_posterior), one candidate.
+
+    x was drawn from q. Accept with probability min(1, p(x) / q(x)). On reject the next target
+    is the residual p' = norm(max(0, p - q)), which the next sibling is tested against (its own q
+    given by the drafter; for candidates sampled without replacement that q is the previous one
+    with x removed and renormalised). If every sibling is rejected the token is sampled from the
+    final residual, so the emitted token is distributed exactly as p.
+    Our trees pick children deterministically (top-k), so q is one-hot on x (EAGLE's `qx = 1`):
+    accept with probability p(x); on reject p' = p with x removed, renormalised. Using the
+    draft softmax as q for top-k children would be biased.
+    Returns (accepted, p for the next sibling)."""
+    px = float(p[x])
+    qx = 1.0 if q is None else float(q[x])
+    u = float(torch.rand((), generator=generator, device=generator.device))
+    if u * qx < px:
+        return True, p
+    if q is None:
+        r = p.clone()
+        r[x] = 0
+    else:
+        r = (p - q).clamp_min(0)
+    s = r.sum()
+    return False, (r / s if s > 0 else p)
+
+
+AcceptRule = Callable[[torch.Tensor, Optional[torch.Tensor], int, torch.Generator], tuple]
+
+
+# ---------------------------------------------------------------------------------------------
+# drafting
+
+
+def head_dtype(head) -> torch.dtype:
+    p = next(iter(head.parameters()), None) if hasattr(head, "parameters") else None
+    return p.dtype if p is not None else torch.float32
+
+
+def head_aux_layers(head) -> Optional[List[int]]:
+    """EAGLE-3 heads read cat(hidden_states[i] for i in aux_layers); EAGLE-1 the last hidden state."""
+    aux = getattr(head.config, "aux_layers", None)
+    return list(aux) if aux else None
+
+
+def to_target_ids(head, draft_ids: torch.Tensor) -> torch.Tensor:
+    d2t = getattr(head, "d2t", None)
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
+def static_paths(cfg: SpecConfig) -> List[List[int]]:
+    """Tree shape of the chain and static modes as paths of child ranks (parents before children)."""
+    if cfg.tree == "chain":
+        return [[0] * d for d in range(1, cfg.depth + 1)]
+    paths = sorted({tuple(p) for p in cfg.static_tree}, key=lambda p: (len(p), p))
+    have = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in have:
+            raise ValueError(f"eval.static_tree: path {list(p)} has no parent path {list(p[:-1])} in the tree")
+    return [list(p) for p in paths]
+
+
+def _head_step(head, hkv, C, outs, slots, nodes, tree):
+    """Feed drafted `nodes` to the head in one pass. Node i's input is (its token, the head output
+    of its parent) at position C + depth - 1; it sees the committed cache, its ancestors' draft
+    entries and itself. Returns (outs (m, H), logp (m, Vd), new cache); records each node's slot."""
+    k0 = hkv[0].shape[2]  # C + draft entries so far
+    m = len(nodes)
+    dev = hkv[0].device
+    mask = torch.zeros(1, 1, m, k0 + m, dtype=torch.bool, device=dev)
+    mask[..., :C] = True
+    for r, i in enumerate(nodes):
+        for a in tree.ancestors(i)[1:-1]:  # drafted ancestors (the root has no draft entry)
+            mask[0, 0, r, slots[a]] = True
+        mask[0, 0, r, k0 + r] = True
+    ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=dev)
+    hidden = torch.stack([outs[tree.parents[i]] for i in nodes])[None]
+    pos = torch.tensor([[C + tree.depths[i] - 1 for i in nodes]], device=dev)
+    out, logits, hkv = head(ids, hidden, pos, kv_cache=hkv, attn_mask=mask)
+    for r, i in enumerate(nodes):
+        slots[i] = k0 + r
+        outs[i] = out[0, r]
+    return torch.log_softmax(logits[0].float(), dim=-1), hkv
+
+
+@torch.no_grad()
+def draft_tree(head, hkv, C: int, root: int, last_out: torch.Tensor, last_logp: torch.Tensor,
+               cfg: SpecConfig) -> Tree:
+    """Grow the draft tree below `root`. last_out (H,) / last_logp (Vd,) come from the head's pair
+    at position C-1. The head's draft entries are appended to a copy of its cache and dropped."""
+    tree = Tree([root], [-1], [0], [None])
+    outs, slots, scores = {0: last_out}, {}, [0.0]
+    logps = {0: last_logp}
+    if cfg.tree in ("chain", "static"):
+        paths = static_paths(cfg)
+        index = {(): 0}
+        for d in range(1, max(len(p) for p in paths) + 1):
+            level = [p for p in paths if len(p) == d]
+            parents = sorted({index[tuple(p[:-1])] for p in level})
+            need = [i for i in parents if i not in logps]
+            if need:
+                lp, hkv = _head_step(head, hkv, C, outs, slots, need, tree)
+                logps.update({i: lp[r] for r, i in enumerate(need)})
+            for p in level:
+                par = index[tuple(p[:-1])]
+                lp = logps[par]
+                did = lp.topk(p[-1] + 1).indices[-1]
+                tree.tokens.append(int(to_target_ids(head, did)))
+                tree.parents.append(par)
+                tree.depths.append(d)
+                tree.qs.append(None)
+                index[tuple(p)] = len(tree.tokens) - 1
+        return tree
+    # EAGLE-2 dynamic tree: each depth expands the topk children of every frontier node, scored by
+    # cumulative draft log-prob; the topk best of those children form the next frontier (fed to the
+    # head), and every generated child is a candidate for the final rerank.
+    cands = []  # dicts: score, parent (work-tree node), token, depth, node (work-tree index or None)
+    frontier = [0]
+    for d in range(1, cfg.depth + 1):
+        if d > 1:
+            lp, hkv = _head_step(head, hkv, C, outs, slots, frontier, tree)
+            logps = {i: lp[r] for r, i in enumerate(frontier)}
+        level = []
+        for i in frontier:
+            top = logps[i].topk(min(cfg.topk, logps[i].numel()))
+            tok = to_target_ids(head, top.indices).tolist()
+            level += [dict(score=scores[i] + v, parent=i, token=t, depth=d, node=None)
+                      for v, t in zip(top.values.tolist(), tok)]
+        level.sort(key=lambda c: -c["score"])
+        frontier = []
+        for c in level[: cfg.topk if d < cfg.depth else 0]:
+            tree.tokens.append(c["token"]), tree.parents.append(c["parent"])
+            tree.depths.append(d), tree.qs.append(None), scores.append(c["score"])
+            c["node"] = len(tree.tokens) - 1
+            frontier.append(c["node"])
+        cands += level
+    return rerank(cands, root, cfg.num_draft_tokens)
+
+
+def rerank(cands: List[dict], root: int, n_keep: int) -> Tree:
+    """Keep the n_keep best candidates by cumulative log-prob, ancestors included. A child's score
+    never exceeds its parent's, so ordering by (-score, depth) lists ancestors first and every
+    prefix is closed under ancestors; the parent check only guards against surprises."""
+    order = sorted(range(len(cands)), key=lambda j: (-cands[j]["score"], cands[j]["depth"], j))
+    keep, kept_nodes = [], {0}
+    for j in order:
+        if len(keep) == n_keep:
+            break
+        if cands[j]["parent"] in kept_nodes:
+            keep.append(j)
+            if cands[j]["node"] is not None:
+                kept_nodes.add(cands[j]["node"])
+    keep.sort(key=lambda j: (cands[j]["depth"], -cands[j]["score"], j))  # parents before children
+    out, index = Tree([root], [-1], [0], [None]), {0: 0}
+    for j in keep:
+        c = cands[j]
+        out.tokens.append(c["token"]), out.parents.append(index[c["parent"]])
+        out.depths.append(c["depth"]), out.qs.append(None)
+        if c["node"] is not None:
+            index[c["node"]] = len(out.tokens) - 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# verification and acceptance
+
+
+def tree_mask(parents: List[int], depths: List[int], past_len: int, dtype=torch.float32, device="cpu"):
+    """Additive attention mask (1, 1, n, past_len + n) and position ids (1, n) of a tree whose
+    nodes sit at position past_len + depth: each node sees the whole cache, its ancestors, itself."""
+    n = len(parents)
+    allowed = torch.zeros(n, past_len + n, dtype=torch.bool)
+    allowed[:, :past_len] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            allowed[i, past_len + j] = True
+            j = parents[j]
+    mask = torch.zeros(n, past_len + n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    pos = torch.tensor(depths, dtype=torch.long) + past_len
+    return mask[None, None].to(device), pos[None].to(device)
+
+
+def target_forward(model, input_ids, cache, aux_layers, position_ids=None, attention_mask=None):
+    """Target logits (n, V) fp32 and the head's features (n, F) for each input token."""
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                cache=cache, use_cache=True, output_hidden_states=True)
+    hs = out.hidden_states
+    feats = torch.cat([hs[i] for i in aux_layers], dim=-1) if aux_layers else hs[-1]
+    return out.logits[0].float(), feats[0]
+
+
+def verify(model, cache, tree: Tree, past_len: int, aux_layers):
+    dev = model.device
+    mask, pos = tree_mask(tree.parents, tree.depths, past_len, model.dtype, dev)
+    ids = torch.tensor([tree.tokens], device=dev)
+    return target_forward(model, ids, cache, aux_layers, pos, mask)
+
+
+def accept_greedy(logits: torch.Tensor, tree: Tree):
+    """Follow the child equal to the target's argmax; returns (accepted path incl. root, bonus)."""
+    kids = tree.children()
+    best = logits.argmax(-1).tolist()
+    path = [0]
+    while True:
+        nxt = [c for c in kids[path[-1]] if tree.tokens[c] == best[path[-1]]]
+        if not nxt:
+            return path, best[path[-1]]
+        path.append(nxt[0])
+
+
+def accept_sample(logits: torch.Tensor, tree: Tree, temperature: float, top_p: float,
+                  generator: torch.Generator, rule: AcceptRule = rejection_rule):
+    """At each node test its children in order with `rule` against the target's p (temperature
+    and top-p applied); the first accepted child becomes the node; if all are rejected the bonus
+    token is drawn from the residual."""
+    kids = tree.children()
+    path = [0]
+    while True:
+        p = target_probs(logits[path[-1]], temperature, top_p)
+        for c in kids[path[-1]]:
+            ok, p = rule(p, tree.qs[c], tree.tokens[c], generator)
+            if ok:
+                path.append(c)
+                break
+        else:
+            return path, sample(p, generator)
+
+
+def commit_cache(cache: DynamicCache, past_len: int, keep: torch.Tensor) -> None:
+    """Keep positions [0, past_len) plus the tree entries `keep` (accepted path) in every layer."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(layer, name, torch.cat([t[:, :, :past_len], t[:, :, past_len + keep]], dim=2))
+        if isinstance(getattr(layer, "cumulative_length", None), int):
+            layer.cumulative_length = past_len + len(keep)
+
+
+def head_update(head, hkv, C: int, ids: List[int], feats: torch.Tensor):
+    """Pairs (ids[j], feats[j]) at positions C..C+n-1 (causal, committed cache visible).
+    Returns (last_out (H,), last_logp (Vd,), cache)."""
+    dev = feats.device
+    pos = torch.arange(C, C + len(ids), device=dev)[None]
+    out, logits, hkv = head(torch.tensor([ids], device=dev), feats[None].to(head_dtype(head)), pos,
+                            kv_cache=hkv, attn_mask=None)
+    return out[0, -1], torch.log_softmax(logits[0, -1].float(), dim=-1), hkv
+
+
+# ---------------------------------------------------------------------------------------------
+# generation loops
+
+
+def _finish(new: List[int], budget: int, eos: Optional[int]):
+    """Truncate at EOS (kept, like generate) and at the token budget; returns (tokens, done)."""
+    if eos is not None and eos in new:
+        return new[: new.index(eos) + 1][:budget], True
+    return new[:budget], len(new) >= budget
+
+
+@torch.no_grad()
+def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
+                         eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                         accept_rule: AcceptRule = rejection_rule):
+    """Generate up to cfg.max_new_tokens after input_ids (1, L). Returns (new token ids, stats) with
+    stats = {accept_lengths: accepted drafted tokens per target pass, passes, tree_sizes}."""
+    dev = model.device
+    greedy = cfg.temperature == 0
+    if generator is None:
+        generator = torch.Generator(device=dev).manual_seed(0)
+    aux = head_aux_layers(head)
+    cache = DynamicCache()
+    ids = input_ids.to(dev)
+    logits, feats = target_forward(model, ids, cache, aux)
+    root = int(logits[-1].argmax()) if greedy else sample(target_probs(logits[-1], cfg.temperature, cfg.top_p), generator)
+    tokens, done = _finish([root], cfg.max_new_tokens, eos_token_id)
+    stats = {"accept_lengths": [], "passes": 0, "tree_sizes": []}
+    if done:
+        return tokens, stats
+    C = ids.shape[1]
+    last_out, last_logp, hkv = head_update(head, None, 0, ids[0, 1:].tolist() + [root], feats)
+    while True:
+        tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
+        logits, feats = verify(model, cache, tree, C, aux)
+        if greedy:
+            path, bonus = accept_greedy(logits, tree)
+        else:
+            path, bonus = accept_sample(logits, tree, cfg.temperature, cfg.top_p, generator, accept_rule)
+        stats["passes"] += 1
+        stats["accept_lengths"].append(len(path) - 1)
+        stats["tree_sizes"].append(len(tree.tokens) - 1)
+        new = [tree.tokens[i] for i in path[1:]] + [bonus]
+        new, done = _finish(new, cfg.max_new_tokens - len(tokens), eos_token_id)
+        tokens += new
+        if done:
+            return tokens, stats
+        keep = torch.tensor(path, device=dev)
+        commit_cache(cache, C, keep)
+        hkv = (hkv[0][:, :, :C], hkv[1][:, :, :C])
+        last_out, last_logp, hkv = head_update(head, hkv, C, new, feats[keep])
+        C += len(path)
+        root = bonus
+
+
+@torch.no_grad()
+def vanilla_generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                     top_p: float = 1.0, eos_token_id: Optional[int] = None,
+                     generator: Optional[torch.Generator] = None) -> List[int]:
+    """The baseline: `generate` greedy at T=0, else one-token steps drawing from `target_probs`."""
+    dev = model.device
+    ids = input_ids.to(dev)
+    if temperature == 0:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             pad_token_id=eos_token_id if eos_token_id is not None else 0)
+        new = out[0, ids.shape[1]:].tolist()
+        return _finish(new, max_new_tokens, eos_token_id)[0]
+    if generator is None:
+        generator = torch.Generator(device=dev).manual_seed(0)
+    cache, tokens = DynamicCache(), []
+    while True:
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        tokens.append(sample(target_probs(logits, temperature, top_p), generator))
+        tokens, done = _finish(tokens, max_new_tokens, eos_token_id)
+        if done:
+            return tokens
+        ids = torch.tensor([[tokens[-1]]], device=dev)
+
+
+def timed(fn, *args, **kw):
+    """(result, seconds), synchronising the accelerator so GPU timings are honest."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    sync()
+    return out, time.perf_counter() - t0
