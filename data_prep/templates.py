@@ -52,15 +52,19 @@ def reply_spans(tok, messages: List[Dict[str, str]]) -> Tuple[str, List[Tuple[in
         prefix = render(tok, messages[:k], add_generation_prompt=True)
         if text.startswith(prefix) and len(prefix) >= cursor:
             begin, end = _find(text, msg["content"], len(prefix))
-            # only whitespace may sit between the generation prompt and the reply
-            if begin >= 0 and text[len(prefix):begin].strip():
-                begin = -1
+            # everything after the generation prompt is the model's to generate (e.g. the space in
+            # "[/INST] 4"); only whitespace may sit between the prompt and the reply
+            if begin >= 0:
+                begin = len(prefix) if not text[len(prefix):begin].strip() else -1
         else:
             # prefix-inconsistent template: step over the user turn first so a short reply is not
             # matched inside it
             user = messages[k - 1]["content"]
             ub, ue = _find(text, user, cursor) if user.strip() else (-1, -1)
             begin, end = _find(text, msg["content"], ue if ub >= 0 else cursor)
+            # a space the template puts before the reply is generated with it (newlines belong to headers)
+            while begin > max(cursor, ue) and text[begin - 1] == " ":
+                begin -= 1
         if begin < 0:
             raise TemplateError("template_mismatch", f"assistant turn {k} is not in the rendered text "
                                                      "(the template rewrites replies)")
