@@ -139,8 +139,9 @@ def main(cfg) -> dict:
             skips.add(err, conv_id)
     good = tokenized.filter(lambda e: not e, input_columns="error").remove_columns("error")
     if len(good) == 0:
-        raise ValueError(f"data.source={d.source!r}: every conversation failed to render with the chat template of "
-                         f"target.model={cfg.target.model!r} ({dict(skips.counts)}; examples: {skips.examples})")
+        raise ValueError(f"data.source={d.source!r}: no conversation left after rendering with the chat template of "
+                         f"target.model={cfg.target.model!r} and truncating to data.max_length={d.max_length} "
+                         f"(skipped: {dict(skips.counts)}; examples: {skips.examples})")
 
     # 3. deterministic train/eval split
     train_idx, eval_idx = split_indices(good["id"], d.eval_fraction)

