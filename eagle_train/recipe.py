@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -262,7 +263,11 @@ def load_recipe(path: str | Path | None, overrides: List[str] = ()) -> DictConfi
             where = str(path)
             if not Path(path).is_file():
                 raise RecipeError(f"recipe file not found: {path} (recipes live in recipes/*.yaml)")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            try:
+                loaded = OmegaConf.load(path)
+            except yaml.YAMLError as err:  # syntax errors and duplicate keys: name the file, no traceback
+                raise RecipeError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+            cfg = OmegaConf.merge(cfg, loaded)
         if overrides:
             where = f"{path or 'defaults'} with command-line overrides"
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
