@@ -1,0 +1,607 @@
+"""Train an EAGLE draft head (EAGLE-3, or EAGLE-1/2) against a frozen target.
+
+    accelerate launch eagle_train/train.py recipe.yaml [key=value ...]
+    accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 eagle_train/train.py recipe.yaml
+    python eagle_train/train.py recipe.yaml      # or: eagle-train train recipe.yaml
+
+Data: `train.mode=offline` reads the dump (`eagle-train dump`), `online` runs the frozen target
+here on the prepared corpus (`eagle-train prep`). Engine: DeepSpeed ZeRO-2 (`train.zero_stage=3`
+for ZeRO-3, `train.engine=ddp` for plain DDP); a single CPU process runs without an engine.
+
+Alignment (engine convention): at position t the head reads (token_{t+1}, feature_t) and predicts
+token_{t+2}, i.e. the target distribution at t+1. Only positions whose predicted token is
+loss-masked (assistant) and present count.
+
+Training-time test (EAGLE-3): step s>0 feeds step s-1's own output (pre-norm, H wide) as the
+feature at the same position, the input tokens shifted s further, at position id t+s. Its
+attention sees the step-0 keys causally plus, at the same position only, the keys of steps
+1..s - what the head sees when it drafts s tokens ahead at inference. We never build the
+(B, heads, L, L*steps) score matrix: each step scores causally against the step-0 keys (L x L)
+and against its own diagonal (one dot product per earlier step, L x s), and takes one softmax over
+the concatenation. Memory per step is O(L^2 + L*s), so the unroll grows linearly in steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if __package__ in (None, ""):  # `python eagle_train/train.py` / `accelerate launch eagle_train/train.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle_train.draft_vocab import build_draft_vocab, count_tokens, draft_ids_of, load_draft_vocab, save_draft_vocab
+from eagle_train.features import decoder_of, target_features
+from eagle_train.heads import build_head, head_type, save_head
+from eagle_train.recipe import load_recipe, split_args
+from eagle_train.target import load_target, resolve_model_path
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss; the last good checkpoint is kept."""
+
+
+# ---------------------------------------------------------------- losses
+def shift(x, k, fill=0):
+    """x[:, t + k] at index t (fill past the end); keeps the length."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.shape[0], k, *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def ttt_attention(q, k0, v0, ks, vs):
+    """q (B, h, n, d); k0/v0 (B, kv, n, d) step-0 keys (causal); ks/vs: keys of steps 1..s at the
+    same position (each (B, kv, n, d)). One softmax over [n causal scores | s diagonal scores]."""
+    rep, scale, n = q.shape[1] // k0.shape[1], q.shape[-1] ** -0.5, q.shape[2]
+    k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
+    scores = (q @ k0.transpose(-1, -2)) * scale  # (B, h, n, n)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    diag = torch.stack([(q * k.repeat_interleave(rep, 1)).sum(-1) for k in ks], dim=-1) * scale  # (B, h, n, s)
+    probs = torch.softmax(torch.cat([scores, diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :n] @ v0
+    for i, v in enumerate(vs):
+        out = out + probs[..., n + i, None] * v.repeat_interleave(rep, 1)
+    return out
+
+
+def soft_ce(logits, p, valid):
+    """Sum over valid positions of -sum_v p log softmax(logits), and the count."""
+    ce = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return (ce * valid).sum(), valid.sum()
+
+
+def ttt_unroll(head, ids, aux, steps):
+    """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
+    step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}."""
+    mid = head.midlayer
+    attn = mid.self_attn
+    hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
+    B, n = hidden.shape[:2]
+    pos = torch.arange(n, device=ids.device).expand(B, n)
+    ks, vs = [], []
+    for s in range(steps):
+        tok = shift(ids, 1 + s)[:, :n]
+        cos, sin = head.rotary(hidden, pos + s)
+        q, k, v = attn.qkv(mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin)
+        if s == 0:
+            k0, v0 = k, v
+            rep = q.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               is_causal=True)
+        else:
+            ks.append(k), vs.append(v)
+            o = ttt_attention(q, k0, v0, ks, vs)
+        out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
+        yield out, head.lm_head(head.norm(out))
+        hidden = out
+
+
+class DraftLoss(nn.Module):
+    """Wraps the head so DDP/DeepSpeed see one forward: batch -> (loss, stats)."""
+
+    def __init__(self, head, tc, feature_scale=None):
+        super().__init__()
+        self.head, self.tc = head, tc
+        # per-dim RMS of the aux features; fc trains on aux / feature_scale and is folded back on save
+        self.register_buffer("feature_scale", feature_scale, persistent=False)
+
+    def forward(self, b):
+        return self.eagle3(b) if head_type(self.head) == "eagle3" else self.eagle1(b)
+
+    def eagle3(self, b):
+        head, steps = self.head, self.tc.ttt_steps
+        ids, valid_tok, p, top1 = b["input_ids"], b["valid"], b["p"], b["top1"]
+        aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
+        loss, stats = 0.0, {}
+        for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps)):
+            n = logits.shape[1]
+            valid = shift(valid_tok, 2 + s)[:, :n].to(logits.dtype)  # predicted token t+2+s is real + assistant
+            ce, cnt = soft_ce(logits, shift(p, 1 + s)[:, :n], valid)
+            loss = loss + self.tc.ttt_decay ** s * ce / cnt.clamp(min=1)
+            hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(top1, 1 + s)[:, :n]).to(valid.dtype)
+            stats[f"acc_{s}"] = torch.stack([(hit * valid).sum().detach(), cnt.detach()])
+        return loss, stats
+
+    def eagle1(self, b):
+        head, tc = self.head, self.tc
+        ids, valid_tok, last = b["input_ids"], b["valid"], b["last"].to(head.fc.weight.dtype)
+        feat, nxt = last[:, :-1], last[:, 1:]
+        if self.training and tc.noise > 0:
+            feat = feat + (torch.rand_like(feat) * 2 - 1) * tc.noise
+        n = feat.shape[1]
+        pos = torch.arange(n, device=ids.device).expand(ids.shape[0], n)
+        out, logits, _ = head(ids[:, 1:], feat, pos)
+        valid = shift(valid_tok, 2)[:, :n].to(feat.dtype)
+        with torch.no_grad():
+            p = torch.softmax(head.lm_head(nxt).float(), dim=-1)
+        ce, cnt = soft_ce(logits, p, valid)
+        l1 = (F.smooth_l1_loss(out.float(), nxt.float(), reduction="none").mean(-1) * valid).sum()
+        loss = (tc.feature_weight * l1 + tc.token_weight * ce) / cnt.clamp(min=1)
+        hit = (logits.argmax(-1) == p.argmax(-1)).to(valid.dtype)
+        return loss, {"acc_0": torch.stack([(hit * valid).sum().detach(), cnt.detach()])}
+
+
+# ---------------------------------------------------------------- targets and data
+@torch.no_grad()
+def add_targets(b, head_kind, lm_head_w, draft_ids, t2d_index, chunk=2048):
+    """Target distribution at every position, restricted to the draft vocabulary and renormalized
+    (EAGLE-3: `p` (B, L, Vd), `top1` target ids), from `last` (via the target lm_head) or top-k."""
+    b["valid"] = (b["loss_mask"].bool() & b["attention_mask"].bool())
+    if head_kind == "eagle1":
+        return b
+    if "last" in b:
+        last = b["last"].to(lm_head_w.dtype)
+        b["p"] = torch.softmax((last @ lm_head_w[draft_ids].T).float(), dim=-1)
+        flat = last.reshape(-1, last.shape[-1])  # exact full-vocabulary argmax, in chunks of tokens
+        b["top1"] = torch.cat([(c @ lm_head_w.T).argmax(-1) for c in flat.split(chunk)]).view(last.shape[:2])
+    else:
+        didx = t2d_index[b["topk_ids"].long()]  # draft id or -1
+        probs = b["topk_logp"].float().exp() * (didx >= 0)
+        p = torch.zeros(*didx.shape[:2], draft_ids.numel(), device=probs.device)
+        p.scatter_add_(-1, didx.clamp(min=0), probs)
+        mass = p.sum(-1, keepdim=True)
+        b["p"] = p / mass.clamp(min=1e-20)
+        b["valid"] &= mass.squeeze(-1) > 0  # no draft-vocabulary token among the top-k: nothing to learn
+        b["top1"] = b["topk_ids"][..., 0].long()
+    return b
+
+
+def pad_collate(batch):
+    """Right-pad prepared-corpus samples (online mode) to the longest."""
+    L = max(len(x["input_ids"]) for x in batch)
+    out = {k: torch.zeros(len(batch), L, dtype=torch.long) for k in ("input_ids", "loss_mask", "attention_mask")}
+    for i, x in enumerate(batch):
+        n = len(x["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(x["input_ids"])
+        out["loss_mask"][i, :n] = torch.as_tensor(x["loss_mask"])
+        out["attention_mask"][i, :n] = 1
+    return out
+
+
+def open_data(cfg, split):
+    """(dataset, collate) for a split ("train" or "eval"); None for a missing eval split."""
+    if cfg.train.mode == "offline":
+        from eagle_train.dump_reader import FeatureDataset, collate
+
+        folder = Path(cfg.dump.output) / ("eval" if split == "eval" else "")
+        if not (folder / "manifest.json").is_file():
+            if split == "eval":
+                return None
+            raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
+                                    f"`eagle-train dump <recipe>` or train with train.mode=online")
+        return FeatureDataset(folder), collate
+    from datasets import load_from_disk
+
+    folder = Path(cfg.data.output) / split
+    if not folder.is_dir():
+        if split == "eval":
+            return None
+        raise FileNotFoundError(f"no prepared corpus at {folder} (data.output); create it with `eagle-train prep <recipe>`")
+    ds = load_from_disk(str(folder)).with_format(None)
+    return ds, pad_collate
+
+
+def corpus_pairs(cfg, ds):
+    """(input_ids, loss_mask) of every training sample, for the draft-vocabulary counts."""
+    from datasets import load_from_disk
+
+    folder = Path(cfg.data.output) / "train"
+    if cfg.train.mode == "offline" and folder.is_dir():  # the prepared corpus is cheaper to scan than the dump
+        ds = load_from_disk(str(folder))
+    if hasattr(ds, "column_names"):
+        return zip(ds["input_ids"], ds["loss_mask"])
+    return ((ds[i]["input_ids"], ds[i]["loss_mask"]) for i in range(len(ds)))
+
+
+def batch_indices(n, mb, world, rank, seed, epoch):
+    """This rank's micro-batches of one epoch: a seeded permutation split into global batches."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    per = mb * world
+    return [perm[i + rank * mb:i + (rank + 1) * mb] for i in range(0, n - per + 1, per)]
+
+
+def load_batch(ds, collate, idx, device):
+    return {k: v.to(device) for k, v in collate([ds[i] for i in idx]).items() if torch.is_tensor(v)}
+
+
+# ---------------------------------------------------------------- setup helpers
+def target_weights(cfg, target=None):
+    """(hf_config, embed (V, H), lm_head (V, H)) of the target, read from its safetensors when
+    possible so offline training never loads the whole target."""
+    from transformers import AutoConfig
+
+    if target is not None:
+        return (target.config, target.get_input_embeddings().weight.detach(),
+                target.get_output_embeddings().weight.detach())
+    path = Path(resolve_model_path(cfg.target.model, cfg.target.cache_dir, cfg.target.gguf_file))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        model, _ = load_target(cfg.target, with_tokenizer=False)
+        return target_weights(cfg, model)
+    from safetensors import safe_open
+
+    found = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
+                    found["lm_head" if k == "lm_head.weight" else "embed"] = h.get_tensor(k).float()
+    conf = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.target.trust_remote_code)
+    return conf, found["embed"], found.get("lm_head", found["embed"])  # tied embeddings
+
+
+def init_from_target(head, target, feature_scale):
+    """Start the draft layer from the target's last decoder layer where shapes allow: o_proj, mlp,
+    norms; q/k/v take the target's weights on their feature half and zeros on the embedding half;
+    EAGLE-3 fc passes the high aux feature through and lm_head starts from the target's rows."""
+    layer = decoder_of(target).layers[-1]
+    src = {k: v.float() for k, v in layer.state_dict().items()}
+    H = head.config.hidden_size
+    own = head.midlayer if head_type(head) == "eagle3" else head.layers[0]
+    with torch.no_grad():
+        for name, p in own.named_parameters():
+            if name == "hidden_norm.weight":
+                name = "input_layernorm.weight"
+            w = src.get(name)
+            if w is None:
+                continue
+            if w.shape == p.shape:
+                p.copy_(w)
+            elif p.dim() == 2 and p.shape == (w.shape[0], 2 * H) and w.shape[1] == H:  # eagle3 q/k/v
+                p.zero_()
+                p[:, H:] = w
+        if head_type(head) == "eagle3":
+            head.norm.weight.copy_(decoder_of(target).norm.weight.float())
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight.float()[draft_ids_of(head.d2t)])
+            if head.config.target_hidden_size == H:
+                head.fc.weight.zero_()
+                scale = feature_scale[2 * H:] if feature_scale is not None else torch.ones(H)
+                head.fc.weight[:, 2 * H:] = torch.diag(scale)
+
+
+def feature_rms(ds, collate, n=16):
+    """Per-dim RMS of the aux features over the first `n` samples (feature normalization)."""
+    b = collate([ds[i] for i in range(min(n, len(ds)))])
+    aux, m = b["aux"].float(), b["attention_mask"].bool()
+    return aux[m].pow(2).mean(0).add(1e-6).sqrt()
+
+
+def lr_lambda(tc):
+    def f(step):
+        if step < tc.warmup_steps:
+            return (step + 1) / (tc.warmup_steps + 1)
+        frac = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+        return {"cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac, "constant": 1.0}[tc.scheduler]
+    return f
+
+
+def make_accelerator(cfg, out):
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    tc, cuda = cfg.train, torch.cuda.is_available()
+    mp = "no" if not cuda else ("bf16" if tc.mixed_precision == "auto" else tc.mixed_precision)  # fp32 on CPU
+    kw = dict(mixed_precision=mp, gradient_accumulation_steps=tc.grad_accum)
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if multi:  # gloo is what DeepSpeed/DDP need on CPU
+        kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")]
+    if tc.engine == "deepspeed" and multi:
+        ds = {"train_micro_batch_size_per_gpu": tc.micro_batch_size, "gradient_accumulation_steps": tc.grad_accum,
+              "gradient_clipping": tc.grad_clip, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": tc.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+              "bf16": {"enabled": mp == "bf16"}, "fp16": {"enabled": mp == "fp16"}}
+        ds = merge(ds, dict(tc.deepspeed))
+        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    else:
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if tc.tracker != "none":
+        if tc.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        kw.update(log_with=tc.tracker, project_dir=str(out))
+    return Accelerator(**kw)
+
+
+def merge(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def save_checkpoint(acc, out, state):
+    """Atomic: write checkpoint.tmp on every rank, then swap it in for the old one."""
+    ckpt, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp))
+    if acc.is_main_process:
+        (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
+        if ckpt.exists():
+            os.replace(ckpt, old)
+        os.replace(tmp, ckpt)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+
+
+def find_checkpoint(out):
+    for name in ("checkpoint", "checkpoint.old"):  # .old survives a kill between the two renames
+        if (out / name / "train_state.json").is_file():
+            return out / name
+    return None
+
+
+# ---------------------------------------------------------------- main
+def evaluate(model, acc, ds, collate, prep, cfg):
+    tc = cfg.train
+    model.eval()
+    sums, loss_sum, n_b = {}, 0.0, 0
+    idx = [list(range(i, min(i + tc.micro_batch_size, len(ds)))) for i in range(0, len(ds), tc.micro_batch_size)]
+    idx = idx[acc.process_index::acc.num_processes][:tc.eval_batches]
+    with torch.no_grad():
+        for i in idx:
+            loss, stats = model(prep(load_batch(ds, collate, i, acc.device)))
+            loss_sum, n_b = loss_sum + float(loss), n_b + 1
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0) + v
+    model.train()
+    keys = sorted(sums, key=lambda k: int(k.split("_")[1]))
+    t = torch.tensor([loss_sum, n_b] + [x for k in keys for x in sums[k].tolist()], device=acc.device)
+    t = acc.reduce(t, "sum").cpu()
+    out = {"eval/loss": float(t[0] / max(1, t[1]))}
+    for i, k in enumerate(keys):
+        out[f"eval/{k}"] = float(t[2 + 2 * i] / max(1, t[3 + 2 * i]))
+    return out
+
+
+def main(cfg, target=None, stop_after=None):
+    """Train per the recipe; returns {"final": path, "metrics": {...}}. `target`: an already loaded
+    frozen target (tests, notebooks); `stop_after`: end after that many optimizer steps without the
+    final save (a stand-in for a killed run)."""
+    from tqdm.auto import tqdm
+
+    tc, out = cfg.train, Path(cfg.train.output)
+    out.mkdir(parents=True, exist_ok=True)
+    acc = make_accelerator(cfg, out)
+    dev, kind = acc.device, cfg.head.type
+    ds, collate = open_data(cfg, "train")
+    eval_data = open_data(cfg, "eval")
+    if kind == "eagle1" and cfg.train.mode == "offline" and cfg.dump.storage != "full":
+        raise FileNotFoundError("head.type=eagle1 regresses the last hidden state: dump with dump.storage=full")
+
+    # frozen target: in-process for online mode, else only its embeddings and lm_head
+    if cfg.train.mode == "online" and target is None:
+        target, _ = load_target(cfg.target, with_tokenizer=False)
+    if target is not None:
+        target.to(dev).eval().requires_grad_(False)
+    tconf, embed, lm_head_w = target_weights(cfg, target)
+
+    torch.manual_seed(tc.seed)
+    head = build_head(cfg.head, tconf)
+    head.embed_tokens.weight.data.copy_(embed.float())
+    if kind == "eagle1":
+        head.lm_head.weight.data.copy_(lm_head_w.float())
+    feature_scale = None
+    if kind == "eagle3":
+        vocab_file = out / "draft_vocab.safetensors"
+        if not vocab_file.is_file():
+            with acc.main_process_first():  # rank 0 counts; the others read its file
+                if not vocab_file.is_file():
+                    counts = count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)
+                    save_draft_vocab(vocab_file, *build_draft_vocab(counts, cfg.head.draft_vocab_size), counts)
+        head.set_draft_vocab(*load_draft_vocab(vocab_file))
+        if tc.feature_norm:
+            if cfg.train.mode == "online":
+                b0 = pad_collate([ds[i] for i in range(min(16, len(ds)))])
+                f = target_features(target, b0["input_ids"].to(dev), b0["attention_mask"].to(dev),
+                                    head.config.aux_layers, "full")
+                m = b0["attention_mask"].bool().to(dev)
+                feature_scale = f["aux"][m].float().pow(2).mean(0).add(1e-6).sqrt().cpu()
+            else:
+                feature_scale = feature_rms(ds, collate)
+    if cfg.head.init_from_target:
+        init_from_target(head, target if target is not None else load_target(cfg.target, False)[0], feature_scale)
+    draft_ids = draft_ids_of(head.d2t).to(dev) if kind == "eagle3" else None
+    t2d_index = torch.full((tconf.vocab_size,), -1, dtype=torch.long)
+    if kind == "eagle3":
+        t2d_index[draft_ids.cpu()] = torch.arange(draft_ids.numel())
+    t2d_index, lm_head_w = t2d_index.to(dev), lm_head_w.to(dev)
+
+    def prep(b):
+        if cfg.train.mode == "online":
+            b.update(target_features(target, b["input_ids"], b["attention_mask"],
+                                     head.config.aux_layers if kind == "eagle3" else None, "full"))
+        return add_targets(b, kind, lm_head_w, draft_ids, t2d_index)
+
+    model = DraftLoss(head, tc, feature_scale)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
+    model, opt = acc.prepare(model, opt)
+    acc.register_for_checkpointing(sched)  # stepped by us once per optimizer step
+    deepspeed = acc.state.deepspeed_plugin is not None
+
+    # resume
+    micro, metrics = 0, {}
+    resume = str(tc.resume).lower()
+    ckpt = find_checkpoint(out) if resume != "false" else None
+    if resume == "true" and ckpt is None:
+        raise FileNotFoundError(f"train.resume=true but no checkpoint under {out}; use train.resume=auto to start over")
+    if ckpt is not None:
+        acc.load_state(str(ckpt))
+        state = json.loads((ckpt / "train_state.json").read_text())
+        micro, metrics = state["micro_step"], state["metrics"]
+        acc.print(f"[train] resumed from {ckpt} at step {state['step']}")
+    if acc.is_main_process and tc.tracker != "none":
+        acc.init_trackers(tc.project, config=_flat(_plain(cfg)),
+                          init_kwargs={"wandb": {"name": tc.run_name}} if tc.tracker == "wandb" else {})
+
+    if micro == 0 and eval_data is not None:  # the untrained head, for comparison
+        metrics.update({k.replace("eval/", "eval0/"): v for k, v in evaluate(model, acc, *eval_data, prep, cfg).items()})
+    per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, acc.num_processes, 0, 0, 0))
+    if per_epoch == 0:
+        raise ValueError(f"{len(ds)} training samples < train.micro_batch_size x processes; lower train.micro_batch_size")
+    step = micro // tc.grad_accum
+    bar = tqdm(total=tc.max_steps, initial=step, disable=not acc.is_main_process, desc="train", unit="step")
+    model.train()
+    t0, tokens, last_loss = time.perf_counter(), 0, float("nan")
+    while step < tc.max_steps and (stop_after is None or step < stop_after):
+        epoch, pos = divmod(micro, per_epoch)
+        idx = batch_indices(len(ds), tc.micro_batch_size, acc.num_processes, acc.process_index, tc.seed, epoch)[pos]
+        b = prep(load_batch(ds, collate, idx, dev))
+        with acc.accumulate(model):
+            loss, stats = model(b)
+            bad = acc.reduce((~torch.isfinite(loss.detach())).float().reshape(1), "sum")  # every rank stops together
+            if bad.item() > 0:
+                ckpt = find_checkpoint(out)
+                raise TrainingDiverged(f"non-finite training loss at step {step} (micro-batch {micro}); stopped. "
+                                       f"Last good checkpoint: {ckpt or 'none'}; resume with a lower "
+                                       f"train.learning_rate or train.grad_clip")
+            acc.backward(loss)
+            if acc.sync_gradients and tc.grad_clip > 0 and not deepspeed:
+                acc.clip_grad_norm_(params, tc.grad_clip)
+            opt.step()
+            opt.zero_grad()
+        micro += 1
+        tokens += int(b["attention_mask"].sum()) * acc.num_processes
+        last_loss = float(loss.detach())
+        if not acc.sync_gradients:
+            continue
+        sched.step()
+        step += 1
+        bar.update(1)
+        if step % tc.log_every == 0 or step == tc.max_steps:
+            accs = {k: round(float(v[0] / v[1].clamp(min=1)), 3) for k, v in stats.items()}
+            rate = tokens / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}", **accs)
+            metrics.update({"train/loss": last_loss, "train/lr": sched.get_last_lr()[0], "train/tokens_per_s": rate,
+                            **{f"train/{k}": v for k, v in accs.items()}})
+            acc.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
+        if eval_data is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
+            metrics.update(evaluate(model, acc, *eval_data, prep, cfg))
+            acc.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
+            acc.print(f"[train] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "eval" in k))
+        if step % tc.save_every == 0 or step == tc.max_steps:
+            save_checkpoint(acc, out, {"step": step, "micro_step": micro, "metrics": metrics})
+    bar.close()
+    if stop_after is not None and step < tc.max_steps:
+        acc.end_training()
+        return {"final": None, "metrics": metrics, "step": step}
+
+    # final head: gather (ZeRO-3 safe), fold the feature scale into fc, save with metrics
+    state = acc.get_state_dict(model)
+    digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes()
+                                     for p in acc.unwrap_model(model).parameters())).hexdigest()
+    digests = _gather_object(acc, digest)
+    final = out / "final"
+    if acc.is_main_process:
+        head_out = copy.deepcopy(acc.unwrap_model(model).head).cpu().float()
+        head_out.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}, strict=False)
+        if feature_scale is not None:
+            head_out.fc.weight.data /= feature_scale
+        info = {"step": step, "metrics": metrics, "rank_param_sha256": digests, "target": cfg.target.model,
+                "train": {"mode": tc.mode, "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
+                          "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm}}
+        save_head(head_out, final, extra={"train_state": info})
+        (final / "train_state.json").write_text(json.dumps(info, indent=2))
+        acc.print(f"[train] saved {final}")
+    acc.wait_for_everyone()
+    acc.end_training()
+    return {"final": final, "metrics": metrics, "step": step, "rank_param_sha256": digests}
+
+
+def write_corpus(samples, folder, eval_samples=None):
+    """A prepared corpus (`<folder>/train`, `<folder>/eval`) from [(input_ids, loss_mask), ...]."""
+    from datasets import Dataset
+
+    eval_samples = eval_samples if eval_samples is not None else samples[: max(1, len(samples) // 8)]
+    for split, rows in (("train", samples), ("eval", eval_samples)):
+        Dataset.from_dict({"id": [f"{split}-{i}" for i in range(len(rows))],
+                           "input_ids": [list(map(int, r[0])) for r in rows],
+                           "loss_mask": [list(map(int, r[1])) for r in rows]}).save_to_disk(str(Path(folder) / split))
+
+
+def quick_train(target, samples, output, steps=30, overrides=()):
+    """Train a small head in-process on `samples` [(input_ids, loss_mask), ...] with the target
+    running online (no prep, no dump); returns the loaded head. For tests and notebooks."""
+    from eagle_train.heads import load_head
+
+    write_corpus(samples, Path(output) / "data")
+    args = [f"output_dir={output}", "target.model=in-memory", "data.source=in-memory", "train.mode=online",
+            "train.engine=none", f"train.max_steps={steps}", f"train.warmup_steps={min(5, steps)}",
+            "train.learning_rate=1e-3", "train.micro_batch_size=4", "train.ttt_steps=3",
+            f"train.eval_every={steps}", f"train.save_every={steps}", "train.eval_batches=2", "train.resume=false",
+            f"head.draft_vocab_size={min(1024, target.config.vocab_size)}", *overrides]
+    result = main(load_recipe(None, args), target=target)
+    return load_head(result["final"], target=target)
+
+
+def _plain(cfg):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _flat(d, prefix=""):
+    """Recipe as flat `section.key` scalars (what tensorboard's hparams accept)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _gather_object(acc, obj):
+    from accelerate.utils import gather_object
+
+    return gather_object([obj]) if acc.num_processes > 1 else [obj]
+
+
+def cli(argv=None) -> int:
+    path, overrides = split_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = load_recipe(path, overrides)
+    try:
+        main(cfg)
+    except TrainingDiverged as err:
+        print(f"eagle-train train: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    sys.exit(cli())

@@ -1,0 +1,181 @@
+"""Training: TTT attention == the engines' cache + mask view, learning on tiny and SmolLM2 targets,
+offline (dump) and online modes, exact resume, NaN stop, CLI."""
+
+import gzip
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_train import train
+from eagle_train.eagle3 import Eagle3Config, Eagle3Head
+from eagle_train.heads import load_head
+from eagle_train.recipe import load_recipe
+from conftest import SHAREGPT, make_tiny_llama
+
+
+def synthetic(vocab=128, n=64, length=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (length,), generator=g)
+        mask = (torch.arange(length) >= length // 3).long()
+        out.append((ids, mask))
+    return out
+
+
+def tiny_args(tmp, steps=30, extra=()):
+    return [f"output_dir={tmp}", "target.model=in-memory", "data.source=in-memory", "train.mode=online",
+            "train.engine=none", f"train.max_steps={steps}", "train.warmup_steps=3", "train.learning_rate=3e-3",
+            "train.micro_batch_size=4", "train.ttt_steps=3", f"train.eval_every={steps}", "train.eval_batches=2",
+            "train.log_every=5", "head.draft_vocab_size=64", *extra]
+
+
+def test_ttt_unroll_equals_engine_kv_cache_with_tree_mask():
+    """Step s in training sees exactly what the head sees when drafting s tokens ahead with a KV
+    cache: step-0 keys causally + its own earlier-step keys at the same position."""
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=50, draft_vocab_size=50, aux_layers=[1, 2, 3])
+    head = Eagle3Head(cfg).eval()
+    B, L, steps = 2, 9, 3
+    ids, aux = torch.randint(0, 50, (B, L)), torch.randn(B, L, 96)
+    got = [o for o in train.ttt_unroll(head, ids, aux, steps)]
+    n = L - 1
+    pos = torch.arange(n).expand(B, n)
+    out, logits, kv = head(ids[:, 1:], aux[:, :-1], pos)
+    torch.testing.assert_close(got[0][1], logits)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for s in range(1, steps):
+        mask = torch.cat([causal] + [torch.eye(n, dtype=torch.bool)] * s, dim=1)[None, None]
+        out, logits, kv = head(train.shift(ids, 1 + s)[:, :n], out, pos + s, kv_cache=kv, attn_mask=mask)
+        torch.testing.assert_close(got[s][1], logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got[s][0], out, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_tiny_target_30_steps_learn(tmp_path, kind):
+    target = make_tiny_llama(vocab_size=128)
+    train.write_corpus(synthetic(), tmp_path / "data")
+    cfg = load_recipe(None, tiny_args(tmp_path, extra=[f"head.type={kind}"]))
+    res = train.main(cfg, target=target)
+    m = res["metrics"]
+    assert m["eval/loss"] < m["eval0/loss"] - 0.05, m
+    assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.03, m
+    head = load_head(res["final"], target=target)
+    state = json.loads((res["final"] / "train_state.json").read_text())
+    assert state["step"] == 30 and "eval/acc_0" in state["metrics"]
+    if kind == "eagle3":
+        assert set(m) >= {"eval/acc_0", "eval/acc_1", "eval/acc_2"}
+        # the saved head (feature scale folded into fc) reproduces the training-time accuracy
+        from eagle_train.features import target_features
+
+        b = train.pad_collate([{"input_ids": ids, "loss_mask": lm} for ids, lm in synthetic()[:8]])
+        f = target_features(target, b["input_ids"], b["attention_mask"], head.config.aux_layers, "full")
+        _, logits = next(train.ttt_unroll(head, b["input_ids"], f["aux"], 1))
+        top1 = (f["last"] @ target.lm_head.weight.T).argmax(-1)
+        hit = head.draft_to_target(logits.argmax(-1))[:, :-1] == top1[:, 1:-1]
+        valid = b["loss_mask"][:, 2:].bool()
+        assert abs(hit[valid].float().mean().item() - m["eval/acc_0"]) < 0.02
+
+
+def smollm2_samples(tok, n=40, length=96):
+    rows = []
+    with gzip.open(SHAREGPT, "rt") as f:
+        for line in f:
+            conv = json.loads(line)["conversations"]
+            if len(conv) < 2 or conv[0]["from"] != "human" or conv[1]["from"] != "gpt":
+                continue
+            user = [{"role": "user", "content": conv[0]["value"][:200]}]
+            prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
+            full = tok.apply_chat_template(user + [{"role": "assistant", "content": conv[1]["value"]}],
+                                           tokenize=True, return_dict=False)
+            if len(prompt) >= length - 16:
+                continue
+            ids = list(full)[:length]
+            rows.append((ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
+            if len(rows) == n:
+                return rows
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_smollm2_features_30_steps_learn(tmp_path, smollm2, mode):
+    """Online: the real target runs in-process; offline: from a top-k dump (the recipe default)."""
+    model, tok = smollm2
+    samples = smollm2_samples(tok)
+    train.write_corpus(samples[:32], tmp_path / "data", eval_samples=samples[32:])
+    extra = ["target.model=smollm2-135m-instruct", "head.draft_vocab_size=2048", "train.learning_rate=2e-3",
+             "train.ttt_steps=2", "train.eval_batches=2"]
+    if mode == "offline":
+        from data_prep import dump
+
+        extra += ["train.mode=offline", "dump.storage=topk", "dump.topk=32", "dump.batch_tokens=1024"]
+        dump.main(load_recipe(None, tiny_args(tmp_path, extra=extra)), model=model)
+    cfg = load_recipe(None, tiny_args(tmp_path, extra=extra))
+    m = train.main(cfg, target=model)["metrics"]
+    assert m["eval/loss"] < m["eval0/loss"] - 0.2, m
+    assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.05, m
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_resume_after_kill_equals_uninterrupted(tmp_path, kind):
+    target = make_tiny_llama(vocab_size=128)
+    data = tmp_path / "data"
+    train.write_corpus(synthetic(n=24), data)
+    common = [f"head.type={kind}", f"data.output={data}", "train.save_every=3", "train.grad_accum=2"]
+    full = train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=7, extra=common)), target=target)
+    # the "killed" run: stops after the step-3 checkpoint (and a few micro-steps more is not saved)
+    killed = load_recipe(None, tiny_args(tmp_path / "b", steps=7, extra=common))
+    part = train.main(killed, target=target, stop_after=4)
+    assert part["final"] is None and part["step"] == 4
+    state = json.loads((tmp_path / "b/train/checkpoint/train_state.json").read_text())
+    assert state["step"] == 3  # step 4 was never saved: the resume redoes it
+    resumed = train.main(load_recipe(None, tiny_args(tmp_path / "b", steps=7, extra=common + ["train.resume=true"])),
+                         target=target)
+    a, b = load_file(full["final"] / "model.safetensors"), load_file(resumed["final"] / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.main(load_recipe(None, tiny_args(tmp_path / "c", steps=2, extra=common + ["train.resume=true"])),
+                   target=target)
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    target = make_tiny_llama(vocab_size=128)
+    train.write_corpus(synthetic(n=16), tmp_path / "data")
+    calls = {"n": 0}
+    real = train.DraftLoss.forward
+
+    def poisoned(self, b):
+        loss, stats = real(self, b)
+        calls["n"] += self.training
+        return (loss * float("nan") if calls["n"] > 3 and self.training else loss), stats
+
+    monkeypatch.setattr(train.DraftLoss, "forward", poisoned)
+    cfg = load_recipe(None, tiny_args(tmp_path, steps=10, extra=["train.save_every=2"]))
+    with pytest.raises(train.TrainingDiverged, match="non-finite training loss at step 3.*checkpoint"):
+        train.main(cfg, target=target)
+    ckpt = tmp_path / "train/checkpoint"
+    assert json.loads((ckpt / "train_state.json").read_text())["step"] == 2
+    assert not (tmp_path / "train/final").exists()
+
+
+def test_cli_trains_from_a_target_folder(tmp_path, capsys):
+    from eagle_train import cli
+
+    target_dir = tmp_path / "target"
+    make_tiny_llama(vocab_size=128, layers=4).save_pretrained(target_dir)
+    train.write_corpus(synthetic(n=16), tmp_path / "data")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\ntarget:\n  model: {target_dir}\ndata:\n  source: x\n")
+    args = ["train", str(recipe), "train.mode=online", "train.engine=none", "train.max_steps=4",
+            "train.warmup_steps=1", "head.draft_vocab_size=64", "train.ttt_steps=2", "train.tracker=tensorboard"]
+    assert cli.main(args) == 0
+    head = load_head(tmp_path / "train/final")
+    assert head.config.draft_vocab_size == 64 and head.d2t.numel() == 64
+    assert list((tmp_path / "train").rglob("events.out.tfevents*"))  # tensorboard tracker wrote
+    assert cli.main(["train", str(recipe), "train.max_steps=4"]) == 2  # offline without a dump
+    assert "eagle-train dump" in capsys.readouterr().err
