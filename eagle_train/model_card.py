@@ -1,0 +1,171 @@
+"""The model card (README.md) of an exported head: what it is, how it was trained, how well it
+drafts (tau per benchmark and temperature, speedup, machine) and copy-paste serving commands
+filled with the best tree setting the sweep found.
+
+Every input but the head and the recipe is optional; a missing eval report reads "not evaluated".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+# aliases the toolkit ships -> the hub model an engine should serve
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def serving_target(model: str) -> str:
+    return HUB_IDS.get(model, model)
+
+
+def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, str]:
+    """(topk, depth, num_draft_tokens) for the serving commands, and where it came from."""
+    if sweep and sweep.get("best"):
+        b = sweep["best"]
+        return {k: int(b[k]) for k in ("topk", "depth", "num_draft_tokens")}, "best setting of `eagle-train sweep`"
+    if report and report.get("settings"):
+        s = report["settings"]
+        if all(k in s for k in ("topk", "depth", "num_draft_tokens")):
+            return {k: int(s[k]) for k in ("topk", "depth", "num_draft_tokens")}, "setting of the eval report"
+    e = cfg.eval
+    return {"topk": e.topk, "depth": e.depth, "num_draft_tokens": e.num_draft_tokens}, "recipe's eval setting (no sweep run)"
+
+
+def serving_commands(kind: str, target: str, repo: str, setting: dict, target_revision=None,
+                     head_revision=None) -> tuple[str, str]:
+    """(vLLM command, SGLang command). vLLM drafts a chain of `depth` tokens; SGLang counts the
+    verified root in --speculative-num-draft-tokens, our num_draft_tokens does not (+1)."""
+    topk, depth, ndt = setting["topk"], setting["depth"], setting["num_draft_tokens"]
+    spec = {"method": "eagle3" if kind == "eagle3" else "eagle", "model": repo, "num_speculative_tokens": depth}
+    if head_revision:
+        spec["revision"] = head_revision
+    vllm = f"vllm serve {target}"
+    if target_revision:
+        vllm += f" --revision {target_revision}"
+    vllm += f" \\\n  --speculative-config '{json.dumps(spec)}'"
+    sg_ndt = depth + 1 if topk == 1 else min(ndt, topk * depth) + 1
+    sglang = f"python -m sglang.launch_server --model {target}"
+    if target_revision:
+        sglang += f" --revision {target_revision}"
+    sglang += (f" \\\n  --speculative-algorithm {'EAGLE3' if kind == 'eagle3' else 'EAGLE'}"
+               f" \\\n  --speculative-draft-model-path {repo}")
+    if head_revision:
+        sglang += f" --speculative-draft-model-revision {head_revision}"
+    sglang += (f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk {topk}"
+               f" --speculative-num-draft-tokens {sg_ndt}")
+    return vllm, sglang
+
+
+def _fmt(x, nd=2):
+    if x is None:
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def eval_section(report: dict | None, sweep: dict | None) -> list:
+    lines = ["## Evaluation", ""]
+    if not report or not report.get("results"):
+        lines += ["Not evaluated. Run `eagle-train eval recipe.yaml` (and `eagle-train sweep recipe.yaml`), "
+                  "then `eagle-train export recipe.yaml` again to fill this table.", ""]
+    else:
+        s = report.get("settings") or {}
+        lines += [f"Measured on: {report.get('machine', 'unknown machine')}"
+                  + (f", {report['date']}" if report.get("date") else "") + ".",
+                  f"Draft tree: {s.get('tree', '?')}, topk {s.get('topk', '?')}, depth {s.get('depth', '?')}, "
+                  f"{s.get('num_draft_tokens', '?')} draft tokens, {s.get('max_new_tokens', '?')} new tokens. "
+                  "τ = mean tokens accepted per target forward pass, bonus token included.", "",
+                  "| benchmark | temperature | τ | speedup | tok/s spec | tok/s vanilla | prompts |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["results"]:
+            lines.append(f"| {r.get('benchmark')} | {_fmt(r.get('temperature'), 1)} | {_fmt(r.get('tau'))} | "
+                         f"{_fmt(r.get('speedup'))}{'x' if r.get('speedup') is not None else ''} | "
+                         f"{_fmt(r.get('tokens_per_s_spec'), 1)} | {_fmt(r.get('tokens_per_s_vanilla'), 1)} | "
+                         f"{_fmt(r.get('n_prompts'))} |")
+        lines.append("")
+    if sweep and sweep.get("results"):
+        b = sweep.get("best") or {}
+        lines += [f"Tree-setting sweep: {len(sweep['results'])} settings; best topk {b.get('topk')}, depth "
+                  f"{b.get('depth')}, {b.get('num_draft_tokens')} draft tokens: τ {_fmt(b.get('tau'))}, "
+                  f"speedup {_fmt(b.get('speedup'))}x.", ""]
+    return lines
+
+
+def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None = None,
+           data_stats: dict | None = None, report: dict | None = None, sweep: dict | None = None) -> str:
+    from eagle_train.heads import head_type
+
+    kind = head_type(head)
+    c = head.config
+    target = serving_target(cfg.target.model)
+    repo = cfg.hub.repo_id or "<your-name>/<this-repo>"
+    setting, setting_src = best_setting(cfg, report, sweep)
+    vllm, sglang = serving_commands(kind, target, repo, setting, cfg.target.revision, cfg.hub.revision)
+    n_params = sum(p.numel() for n, p in head.named_parameters()
+                   if not n.startswith("embed_tokens") and not (kind == "eagle1" and n.startswith("lm_head")))
+    name = "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
+
+    front = ["---", "library_name: eagle-train", "tags:", "- speculative-decoding",
+             f"- {'eagle3' if kind == 'eagle3' else 'eagle'}", "- draft-model"]
+    if "/" in target and not target.startswith((".", "/", "~")):
+        front += [f"base_model: {target}"]
+    front += ["---", ""]
+
+    lines = front + [
+        f"# {name} draft head for {target}", "",
+        f"A speculative-decoding draft head ({name}) for `{target}`"
+        + (f" (revision `{cfg.target.revision}`)" if cfg.target.revision else "")
+        + ", trained with eagle-train. It does not generate "
+          "text on its own: serve it next to the target with vLLM or SGLang.", "",
+        "## Serve it", "",
+        f"Tree setting: topk {setting['topk']}, depth {setting['depth']}, {setting['num_draft_tokens']} draft "
+        f"tokens ({setting_src}).", "",
+        "vLLM (drafts a chain of `num_speculative_tokens` = depth):", "", "```bash", vllm, "```", "",
+        "SGLang (its `--speculative-num-draft-tokens` counts the verified root token too):", "",
+        "```bash", sglang, "```", "",
+    ]
+    lines += eval_section(report, sweep)
+    lines += ["## Head", "", "| | |", "|---|---|",
+              f"| type | {name} (`{config['architectures'][0]}`) |",
+              f"| target | `{cfg.target.model}`" + (f" @ `{cfg.target.revision}`" if cfg.target.revision else "") + " |",
+              f"| trainable parameters | {n_params / 1e6:.1f} M |",
+              f"| weights dtype | {config['torch_dtype']} |",
+              f"| hidden size / layers | {c.hidden_size} / 1 draft decoder layer |"]
+    if kind == "eagle3":
+        hf = list(c.aux_layers)
+        lines += [f"| draft vocabulary | {c.draft_vocab_size} of {c.vocab_size} target tokens "
+                  "(`d2t`: target id = draft id + d2t[draft id]; `t2d`: membership mask) |",
+                  f"| target features (HF `hidden_states` indices) | {hf} |",
+                  f"| vLLM `eagle_aux_hidden_state_layer_ids` (input of decoder layer id) | {[i for i in hf]} |",
+                  f"| SGLang `eagle_config.eagle_aux_hidden_state_layer_ids` (output of decoder layer id) | "
+                  f"{[i - 1 for i in hf]} |"]
+    else:
+        lines += ["| feature | the target's last hidden state (post-norm); embed_tokens and lm_head are the target's |"]
+    lines += ["", "Both aux-layer keys are in `config.json`, each in the convention of the engine that reads it. "
+              "`eagle-train check <folder> --target <model>` validates the layout against the target.", ""]
+
+    lines += ["## Training", "", f"- data: `{cfg.data.source}`"
+              + (f" (at most {cfg.data.max_conversations} conversations" if cfg.data.max_conversations else " (")
+              + f", max {cfg.data.max_length} tokens each, assistant tokens only in the loss)"]
+    if data_stats:
+        lines.append("- corpus stats: " + ", ".join(f"{k} {v}" for k, v in data_stats.items()
+                                                      if isinstance(v, (int, float, str)))[:400])
+    lines.append(f"- head: {cfg.head.type}, {cfg.train.mode} training ({cfg.dump.storage} features), "
+                 f"lr {cfg.train.learning_rate}, {cfg.train.max_steps} planned steps"
+                 + (f", TTT unroll {cfg.train.ttt_steps}" if kind == "eagle3" else ""))
+    if train_state:
+        steps = train_state.get("step", train_state.get("steps", train_state.get("global_step")))
+        if steps is not None:
+            lines.append(f"- trained steps: {steps}")
+        metrics = train_state.get("metrics") or {k: v for k, v in train_state.items()
+                                                 if isinstance(v, (int, float)) and k not in ("step", "steps")}
+        if metrics:
+            lines.append("- final metrics: " + ", ".join(f"{k} {_fmt(v, 4)}" for k, v in metrics.items()
+                                                          if isinstance(v, (int, float))))
+    else:
+        lines.append("- trained steps: not recorded")
+    sha = hashlib.sha256(recipe_yaml.encode()).hexdigest()
+    lines += ["", "## Recipe", "", f"Resolved recipe (sha256 `{sha[:16]}`); rerun any stage with it, e.g. "
+              "`eagle-train eval recipe.yaml eval.head=" + repo + "`.", "",
+              "<details><summary>recipe.yaml</summary>", "", "```yaml", recipe_yaml.rstrip(), "```", "",
+              "</details>", ""]
+    return "\n".join(lines)
