@@ -188,18 +188,23 @@ class EvalConfig:
 
 @dataclass
 class HubConfig:
-    # exported head folder
+    # exported head folder (`eagle-train export` writes it, `check` and `push` read it)
     export_dir: str = "${output_dir}/export"
     # Hugging Face repo to push to, e.g. me/SmolLM2-135M-Instruct-EAGLE3
     repo_id: Optional[str] = None
+    # create the repo private (same as `push --private`)
     private: bool = False
-    # branch to push to (None: main)
+    # branch to push to, created when missing (None: main; same as `push --revision R`)
     revision: Optional[str] = None
-    # environment variable holding the token
+    # list what would be uploaded and stop (same as `push --dry-run`)
+    dry_run: bool = False
+    # environment variable holding the token (HF_TOKEN is tried after it)
     token_env: str = "HF_TOKEN"
+    # hub endpoint (None: $HF_ENDPOINT, else https://huggingface.co)
+    endpoint: Optional[str] = None
     # export dtype of the head weights
     dtype: str = "bfloat16"
-    # also write the (frozen) embed_tokens into the export
+    # also write the (frozen) embed_tokens into the export (engines take them from the target)
     include_embed_tokens: bool = False
 
 
