@@ -6,15 +6,27 @@ Per token t of a sample (all tensors (B, L, ...)):
              and, through the target's lm_head, the full target distribution
     topk_logp, topk_ids  lean mode: the target's top-k next-token log-probs at t (B, L, k)
 
-HF `hidden_states` convention: index 0 is the embedding output, index i the output of decoder
-layer i-1, and the last index has the final norm applied.
+Layer convention (HF `hidden_states` indices, used by `head.aux_layers` and dump manifests):
+index 0 is the embedding output, index i (1..N) the output of decoder layer i-1, and index N, the
+last one, has the final norm applied. The EAGLE-3 default for an N-layer target is
+`default_aux_layers(N) = [2, N//2, N-3]` (low, mid, high); for SmolLM2-135M (N=30) that is
+[2, 15, 27]. Serving engines (vLLM/SGLang) count decoder-layer outputs, i.e. these indices minus 1.
+
+Storage (`dump.dtype`): bfloat16 / float16 / float32 store hidden features as such. `float8`
+stores them as float8 e4m3 with one float32 absmax scale per token and per layer (`aux_scale`
+(L, 3), `last_scale` (L, 1)): SmolLM2's pre-norm residual reaches |x| ~ 4400 in a few dims, far
+beyond e4m3's 448, so a per-token scale is needed. Relative rounding error is <= 2^-4 per element
+(3 mantissa bits). `quantize_fp8` / `dequantize_fp8` below are the one definition of that format.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
 
 
 def decoder_of(model):
@@ -24,13 +36,16 @@ def decoder_of(model):
 
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                    aux_layers: Optional[List[int]], storage: str = "full", topk: int = 64) -> Dict[str, torch.Tensor]:
+                    aux_layers: Optional[List[int]], storage: str = "full", topk: int = 64,
+                    chunk_tokens: int = 4096) -> Dict[str, torch.Tensor]:
     """Run the frozen target once and return the features named above.
 
     aux_layers None means no `aux` (EAGLE-1/2). storage is "full" (return `last`) or "topk"
-    (return `topk_logp`/`topk_ids` instead of `last`)."""
+    (return `topk_logp`/`topk_ids` instead of `last`). The top-k is taken `chunk_tokens` rows at a
+    time so the (tokens, vocab) logits never exist for the whole batch at once."""
+    # ask only for the layers we keep (transformers >= 5 accepts a list; older ones return all)
     out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                            output_hidden_states=True, use_cache=False)
+                            output_hidden_states=list(aux_layers) if aux_layers else False, use_cache=False)
     hs = out.hidden_states
     feats = {}
     if aux_layers is not None:
@@ -39,7 +54,34 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[tor
     if storage == "full":
         feats["last"] = last
     else:
-        logits = model.get_output_embeddings()(last).float()
-        logp, ids = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
-        feats["topk_logp"], feats["topk_ids"] = logp, ids.to(torch.int32)
+        feats["topk_logp"], feats["topk_ids"] = topk_logprobs(model.get_output_embeddings(), last, topk, chunk_tokens)
     return feats
+
+
+def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 4096) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k next-token log-probs (float32) and ids (int32) from post-norm hidden states (..., H)."""
+    flat = last.reshape(-1, last.shape[-1])
+    logp, ids = [], []
+    for s in range(0, flat.shape[0], chunk_tokens):
+        logits = lm_head(flat[s:s + chunk_tokens]).float()
+        # top-k of the logits minus logsumexp == top-k of log_softmax, without a second vocab-sized tensor
+        v, i = logits.topk(k, dim=-1)
+        logp.append(v - torch.logsumexp(logits, dim=-1, keepdim=True))
+        ids.append(i.to(torch.int32))
+    shape = (*last.shape[:-1], k)
+    return torch.cat(logp).reshape(shape), torch.cat(ids).reshape(shape)
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(T, G*H) float -> (T, G*H) float8 e4m3 and (T, G) float32 scales, one absmax scale per token per group."""
+    t = x.float().reshape(x.shape[0], groups, -1)
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    # clamp: float rounding can push |x|/scale a hair above 448, which is NaN on some devices
+    q = (t / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: (T, G*H) float8 and (T, G) scales -> (T, G*H) `dtype`."""
+    t = q.float().reshape(q.shape[0], scale.shape[-1], -1) * scale.float().unsqueeze(-1)
+    return t.reshape(q.shape).to(dtype)

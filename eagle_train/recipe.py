@@ -73,10 +73,12 @@ class DumpConfig:
     storage: str = "full"
     # k of the lean storage mode
     topk: int = 64
-    # dtype of stored features: bfloat16, float16 or float32
+    # dtype of stored hidden features: bfloat16, float16, float32, or float8 (e4m3 with one float32
+    # absmax scale per token and layer; with storage=topk the lean mode, < 4*H bytes per token).
+    # topk log-probs are stored as float16 (float32 when dtype=float32)
     dtype: str = "bfloat16"
-    # target shard size in MiB
-    shard_size_mb: int = 1024
+    # target shard size in MiB (a shard closes at the first sample that reaches it)
+    shard_size_mb: float = 1024
     # padded tokens per forward batch (samples are length-sorted to cut padding)
     batch_tokens: int = 16384
     # dump the held-out split too (written under `<output>/eval`)
@@ -225,7 +227,7 @@ CHOICES = {
     "target.dtype": ("float32", "bfloat16", "float16"),
     "data.format": ("auto", "sharegpt", "messages", "alpaca"),
     "dump.storage": ("full", "topk"),
-    "dump.dtype": ("float32", "bfloat16", "float16"),
+    "dump.dtype": ("float32", "bfloat16", "float16", "float8"),
     "head.type": ("eagle3", "eagle1"),
     "train.mode": ("offline", "online"),
     "train.engine": ("deepspeed", "ddp", "none"),

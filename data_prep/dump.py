@@ -1,0 +1,411 @@
+"""Dump stage: run the frozen target over the prepared corpus, write sharded safetensors features.
+
+    eagle-train dump recipe.yaml [key=value ...]
+    accelerate launch --num_processes N -m data_prep.dump recipe.yaml   # N GPUs, one share each
+    accelerate launch --multi_gpu --num_processes 2 -m data_prep.dump recipe.yaml   # N processes on CPU (gloo)
+
+Reads `data.output/{train,eval}` (written by `eagle-train prep`), keeps samples with any loss-masked
+token, sorts them by length and cuts them into batches of at most `dump.batch_tokens` padded tokens.
+Batch i goes to rank i % N; each rank writes its own `shard-r<rank>-<n>.safetensors` of about
+`dump.shard_size_mb` MiB, and rank 0 merges the per-shard records into `manifest.json`.
+`eagle_train.dump_reader.FeatureDataset(dump.output)` reads it back; the held-out split goes to
+`<dump.output>/eval` when `dump.include_eval`.
+
+What is stored per token (see eagle_train/features.py for the layer convention and fp8 format):
+    head.type eagle3: aux (3 layers, `head.aux_layers`, default HF hidden_states [2, N//2, N-3])
+                      + last (dump.storage=full) or topk_logp/topk_ids (dump.storage=topk)
+    head.type eagle1: last (the target distribution is lm_head(last)); needs dump.storage=full
+    always: input_ids (int32), loss_mask (uint8); per shard `offsets` (samples -> token rows)
+Bytes per token for SmolLM2 (H=576, k=64), next to the 8*H = 4608 of a bf16 last+3-layer dump:
+    full/bfloat16 ~4613, topk/bfloat16 ~3717, topk/float8 ~2001 (lean: <= 4*H = 2304).
+    Measured numbers: bench/RESULTS.md (`python bench/dump.py`).
+
+Resume and safety. Every shard is written to a temp name and renamed, then a record
+`progress/<shard>.json` (ids, rows, lengths, sha256) is written the same way. A rerun checks every
+recorded shard against its sha256 (a failure is printed by shard name and the shard redone), deletes
+shards without a record (killed mid-write), and dumps only the rows no record holds, so samples are
+never dropped or duplicated, whatever the number of processes. The first lines of manifest.json name
+the target, layers, storage and a hash of the feature-relevant recipe settings; a rerun with other
+ones into the same folder is refused, naming the differing field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from eagle_train.eagle3 import default_aux_layers
+from eagle_train.features import quantize_fp8, target_features
+from eagle_train.recipe import RecipeError, load_recipe, split_args
+from eagle_train.target import DTYPES, load_target, resolve_device, target_id
+
+FORMAT = "eagle-train-dump/1"
+# called as on_shard_written(folder, record) after each shard and its record are on disk (tests, monitors)
+on_shard_written = None
+
+
+def cli(argv: List[str]) -> int:
+    path, overrides = split_args(argv)
+    main(load_recipe(path, overrides))
+    return 0
+
+
+def main(cfg, model=None) -> Dict[str, dict]:
+    """Dump the train split (and eval, if asked); returns per-split stats of this process.
+
+    `model` lets tests and the bench pass an already loaded target (it must match `cfg.target`)."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=resolve_device(cfg.target.device).type == "cpu")
+    if cfg.head.type == "eagle1" and cfg.dump.storage != "full":
+        raise RecipeError("head.type=eagle1 regresses the target's last hidden state, so it needs "
+                          "dump.storage=full (got dump.storage=topk)")
+    data = Path(cfg.data.output)
+    train = load_split(data / "train")
+    evals = load_split(data / "eval") if cfg.dump.include_eval else None
+    if model is None:
+        device = state.device if state.num_processes > 1 else cfg.target.device
+        model, _ = load_target(OmegaConf.merge(cfg.target, {"device": str(device)}), with_tokenizer=False)
+    header = dump_header(cfg, model)
+    out = Path(cfg.dump.output)
+    stats = {"train": dump_split(model, train, out, {**header, "split": "train"}, cfg.dump, state)}
+    if evals is not None:
+        stats["eval"] = dump_split(model, evals, out / "eval", {**header, "split": "eval"}, cfg.dump, state)
+    return stats
+
+
+def load_split(folder: Path):
+    from datasets import load_from_disk
+
+    if not (folder / "dataset_info.json").is_file() and not (folder / "state.json").is_file():
+        raise FileNotFoundError(f"prepared corpus not found: {folder} (data.output); "
+                                f"create it with `eagle-train prep <recipe>`")
+    return load_from_disk(str(folder))
+
+
+def dump_header(cfg, model) -> dict:
+    """Everything the features depend on; stored in the manifest and compared on reruns."""
+    conf = model.config.get_text_config()
+    n = conf.num_hidden_layers
+    aux = None
+    if cfg.head.type == "eagle3":
+        aux = list(cfg.head.aux_layers) if cfg.head.aux_layers is not None else default_aux_layers(n)
+        bad = [i for i in aux if not 0 <= i <= n]
+        if bad:
+            raise RecipeError(f"head.aux_layers = {aux}: {bad} out of range for a {n}-layer target "
+                              f"(HF hidden_states indices 0..{n})")
+    t, d = cfg.target, cfg.data
+    settings = {
+        "target": {"model": target_id(t), "revision": t.revision, "gguf_file": t.gguf_file, "dtype": t.dtype},
+        "data": {k: d[k] for k in ("source", "format", "split", "max_length", "max_conversations",
+                                   "system_prompt", "eval_fraction")},
+        "dump": {"storage": cfg.dump.storage, "dtype": cfg.dump.dtype,
+                 "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
+        "head": {"type": cfg.head.type, "aux_layers": aux},
+    }
+    settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return {
+        "format": FORMAT,
+        "target_id": target_id(t),
+        "revision": t.revision,
+        "commit": getattr(model.config, "_commit_hash", None),
+        "aux_layers": aux,
+        "head_type": cfg.head.type,
+        "storage": cfg.dump.storage,
+        "dtype": cfg.dump.dtype,
+        "topk": settings["dump"]["topk"],
+        "hidden_size": conf.hidden_size,
+        "num_layers": n,
+        "vocab_size": vocab,
+        "recipe_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
+        "settings": settings,
+    }
+
+
+# header field -> recipe key the user changes, checked in this order on a rerun
+IDENTITY = [("format", None), ("target_id", "target.model"), ("revision", "target.revision"),
+            ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
+            ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("recipe_hash", None)]
+
+
+def check_folder(out: Path, header: dict) -> None:
+    """Refuse to add to a folder that holds a dump made with other settings."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        if any(out.glob("shard-*.safetensors")):
+            raise RecipeError(f"{out} (dump.output) holds shards but no manifest.json; it is not a dump this "
+                              f"recipe can resume. Use another dump.output or delete the folder.")
+        return
+    old = json.loads(path.read_text())
+    for field, key in IDENTITY:
+        if old.get(field) != header[field]:
+            what = f"`{key}`" if key else field
+            if field == "recipe_hash":
+                diff = _diff(old.get("settings", {}), header["settings"])
+                what = "recipe settings " + ", ".join(f"`{k}` ({a!r} there, {b!r} now)" for k, a, b in diff)
+                raise RecipeError(f"{out} (dump.output) holds a dump made with other {what}; refusing to mix them. "
+                                  f"Use another dump.output or delete the folder.")
+            raise RecipeError(f"{out} (dump.output) holds a dump with {field} = {old.get(field)!r}, but this recipe "
+                              f"gives {header[field]!r} ({what}); refusing to mix them. "
+                              f"Use another dump.output or delete the folder.")
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _diff(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append((f"{prefix}{k}", x, y))
+    return out
+
+
+def select_samples(ds) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with any loss-masked token and their lengths, computed on the Arrow columns (no Python lists)."""
+    import pyarrow.compute as pc
+
+    mask = ds.data.column("loss_mask").combine_chunks()
+    lengths = pc.list_value_length(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    csum = np.concatenate([[0], np.cumsum(flat != 0)])
+    ends = np.cumsum(lengths)
+    masked = csum[ends] - csum[ends - lengths]
+    rows = np.nonzero(masked > 0)[0]
+    return rows, lengths[rows]
+
+
+def plan_batches(rows, lengths, batch_tokens: int) -> List[List[int]]:
+    """Longest first (an out-of-memory shows at once), each batch <= batch_tokens padded tokens."""
+    order = sorted(zip(rows.tolist(), lengths.tolist()), key=lambda rl: (-rl[1], rl[0]))
+    batches, cur, width = [], [], 0
+    for row, length in order:
+        width = width or length  # sorted descending: the first sample sets the padded width
+        if cur and (len(cur) + 1) * width > batch_tokens:
+            batches.append(cur)
+            cur, width = [], length
+        cur.append(row)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def read_records(out: Path) -> Dict[str, dict]:
+    recs = {}
+    for p in sorted((out / "progress").glob("shard-*.json")):
+        rec = json.loads(p.read_text())
+        recs[rec["file"]] = rec
+    return recs
+
+
+def verify_and_clean(out: Path, rank: int, world: int) -> None:
+    """Each rank checks its share of the recorded shards; rank 0 also removes temp files and unrecorded shards."""
+    recs = read_records(out)
+    for name in sorted(recs)[rank::world]:
+        shard, rec_path = out / name, out / "progress" / (name + ".json")
+        if not shard.is_file():
+            print(f"[dump] {shard}: recorded but missing; redoing its {recs[name]['num_samples']} samples")
+            rec_path.unlink(missing_ok=True)
+        elif (digest := sha256_file(shard)) != recs[name]["sha256"]:
+            print(f"[dump] {shard}: sha256 check FAILED (expected {recs[name]['sha256'][:12]}..., "
+                  f"got {digest[:12]}...); redoing its {recs[name]['num_samples']} samples", file=sys.stderr)
+            rec_path.unlink(missing_ok=True)
+            shard.unlink()
+    if rank == 0:
+        for p in list(out.glob("*.tmp*")) + list((out / "progress").glob("*.tmp*")):
+            p.unlink(missing_ok=True)
+        for p in out.glob("shard-*.safetensors"):
+            if p.name not in recs:  # renamed but its record never written: killed in between
+                p.unlink(missing_ok=True)
+
+
+def encode(feats: Dict[str, torch.Tensor], valid: torch.Tensor, dtype: str) -> Dict[str, torch.Tensor]:
+    """Batch features (B, L, ...) -> stored tensors over the valid tokens (T, ...), on the CPU."""
+    enc = {}
+    for name, x in feats.items():
+        x = x[valid]  # (T, D), samples one after another
+        if name in ("aux", "last"):
+            if dtype == "float8":
+                enc[name], enc[name + "_scale"] = quantize_fp8(x, 3 if name == "aux" else 1)
+            else:
+                enc[name] = x.to(DTYPES[dtype])
+                if dtype == "float16" and not torch.isfinite(enc[name]).all():
+                    raise OverflowError(f"{name} features overflow float16 (|x| > 65504); use dump.dtype=bfloat16")
+        elif name == "topk_logp":
+            enc[name] = x.to(torch.float32 if dtype == "float32" else torch.float16)
+        else:  # topk_ids: uint16 when the vocabulary fits
+            enc[name] = x
+    return {k: v.to("cpu", non_blocking=False) for k, v in enc.items()}
+
+
+class ShardWriter:
+    """Collects samples and writes a shard (temp name, rename, then its progress record) when full.
+
+    Writes run on one background thread so the target keeps computing; at most one shard waits."""
+
+    def __init__(self, out: Path, rank: int, start: int, shard_bytes: int, ids_dtype):
+        self.out, self.rank, self.n, self.shard_bytes, self.ids_dtype = out, rank, start, shard_bytes, ids_dtype
+        self.samples, self.bytes = [], 0
+        self.pool, self.pending = ThreadPoolExecutor(1), None
+        self.written = []
+
+    def add(self, row: int, sid: str, tensors: Dict[str, torch.Tensor]) -> None:
+        self.samples.append((row, sid, tensors))
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.samples:
+            return
+        samples, self.samples, self.bytes = self.samples, [], 0
+        name = f"shard-r{self.rank:03d}-{self.n:05d}.safetensors"
+        self.n += 1
+        self.wait()
+        self.pending = self.pool.submit(self._write, name, samples)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.written.append(self.pending.result())  # re-raises a failed write here
+            self.pending = None
+
+    def close(self) -> None:
+        self.flush()
+        self.wait()
+        self.pool.shutdown()
+
+    def _write(self, name: str, samples) -> dict:
+        from safetensors.torch import save_file
+
+        keys = samples[0][2].keys()
+        tensors = {k: torch.cat([s[2][k] for s in samples]) for k in keys}
+        lengths = [len(s[2]["input_ids"]) for s in samples]
+        tensors["offsets"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+        if "topk_ids" in tensors:
+            tensors["topk_ids"] = tensors["topk_ids"].to(self.ids_dtype)
+        path, tmp = self.out / name, self.out / f"{name}.tmp{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+        rec = {"file": name, "num_samples": len(samples), "num_tokens": int(sum(lengths)),
+               "bytes": path.stat().st_size, "sha256": digest,
+               "ids": [s[1] for s in samples], "rows": [s[0] for s in samples], "lengths": lengths}
+        write_json(self.out / "progress" / (name + ".json"), rec)
+        if on_shard_written is not None:
+            on_shard_written(self.out, rec)
+        return rec
+
+
+def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
+    rank, world = state.process_index, state.num_processes
+    check_folder(out, header)  # every rank checks, so every rank fails with the same message
+    state.wait_for_everyone()
+    if rank == 0:
+        (out / "progress").mkdir(parents=True, exist_ok=True)
+        write_json(out / "manifest.json", {**header, "complete": False, "shards": []})
+    state.wait_for_everyone()
+    verify_and_clean(out, rank, world)
+    state.wait_for_everyone()
+
+    recs = read_records(out)
+    done = {r for rec in recs.values() for r in rec["rows"]}
+    rows, lengths = select_samples(ds)
+    keep = np.array([r not in done for r in rows.tolist()], dtype=bool)
+    batches = plan_batches(rows[keep], lengths[keep], dcfg.batch_tokens)[rank::world]
+    ids = ds.data.column("id").to_pylist()
+    mine = [int(r.split("-")[2].split(".")[0]) for r in recs if r.startswith(f"shard-r{rank:03d}-")]
+    ids_dtype = torch.uint16 if header["vocab_size"] <= 65536 else torch.int32
+    writer = ShardWriter(out, rank, max(mine, default=-1) + 1, int(dcfg.shard_size_mb * 2**20), ids_dtype)
+    device = next(model.parameters()).device
+    storage = header["storage"] if header["head_type"] == "eagle3" else "full"
+
+    length_of = dict(zip(rows.tolist(), lengths.tolist()))
+    n_tokens = sum(length_of[r] for b in batches for r in b)
+    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
+               desc=f"dump {header['split']} [rank {rank}/{world}]", disable=not state.is_local_main_process)
+    t0 = time.perf_counter()
+    for batch in batches:
+        got = ds[batch]
+        seqs = [torch.tensor(x, dtype=torch.int64) for x in got["input_ids"]]
+        lens = [len(s) for s in seqs]
+        width = max(lens)
+        input_ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+        valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            input_ids[i, :len(s)], valid[i, :len(s)] = s, True
+        # no mask when nothing is padded: the plain causal path, bit-identical to a lone forward
+        attn = None if valid.all() else valid.long().to(device)
+        feats = target_features(model, input_ids.to(device), attn, header["aux_layers"], storage, dcfg.topk)
+        enc = encode(feats, valid.to(device), dcfg.dtype)
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        for i, row in enumerate(batch):
+            a, b = int(starts[i]), int(starts[i + 1])
+            sample = {"input_ids": seqs[i].to(torch.int32),
+                      "loss_mask": torch.tensor(got["loss_mask"][i], dtype=torch.uint8)}
+            sample.update({k: v[a:b] for k, v in enc.items()})
+            writer.add(row, ids[row], sample)
+        bar.update(sum(lens))
+    writer.close()
+    bar.close()
+    seconds = time.perf_counter() - t0
+    state.wait_for_everyone()
+    if rank == 0:
+        merge_manifest(out, header, rows)
+    state.wait_for_everyone()
+    mine_new = writer.written
+    return {"num_samples": sum(r["num_samples"] for r in mine_new), "num_tokens": sum(r["num_tokens"] for r in mine_new),
+            "bytes": sum(r["bytes"] for r in mine_new), "seconds": seconds,
+            "tokens_per_s": sum(r["num_tokens"] for r in mine_new) / max(seconds, 1e-9)}
+
+
+def merge_manifest(out: Path, header: dict, rows: np.ndarray) -> dict:
+    """Rank 0, after every rank finished: all records -> manifest.json; checks nothing is lost or doubled."""
+    recs = read_records(out)
+    got = [r for rec in recs.values() for r in rec["rows"]]
+    if len(got) != len(set(got)) or set(got) != set(rows.tolist()):
+        raise RuntimeError(f"{out}: shards hold {len(set(got))} distinct of {len(rows)} expected samples "
+                           f"({len(got) - len(set(got))} duplicated); rerun the dump to repair")
+    shards = [recs[k] for k in sorted(recs)]
+    manifest = {**header, "complete": True, "num_samples": len(got),
+                "num_tokens": sum(s["num_tokens"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
+                "shards": shards}
+    write_json(out / "manifest.json", manifest)
+    print(f"[dump] {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+          f"{len(shards)} shards, {manifest['bytes'] / max(manifest['num_tokens'], 1):.0f} bytes/token")
+    return manifest
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(cli(sys.argv[1:]))
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"data_prep.dump: error: {err}", file=sys.stderr)
+        sys.exit(2)
