@@ -14,6 +14,7 @@ Role headers, user turns and the system prompt (given or the template's default)
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Tuple
 
 
@@ -42,14 +43,21 @@ def _find(text: str, content: str, start: int) -> Tuple[int, int]:
     return -1, -1
 
 
-def reply_spans(tok, messages: List[Dict[str, str]]) -> Tuple[str, List[Tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant reply in it."""
-    text = render(tok, messages)
+def reply_spans(tok, messages: List[Dict[str, str]], text: Optional[str] = None,
+                stop: Optional[int] = None) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant reply in it
+    (only the replies starting before character `stop`, when given)."""
+    text = render(tok, messages) if text is None else text
+    stop = len(text) if stop is None else stop
     spans, cursor = [], 0
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
+        if cursor >= stop:
+            break
         prefix = render(tok, messages[:k], add_generation_prompt=True)
+        if len(prefix) >= stop and text.startswith(prefix):
+            break
         if text.startswith(prefix) and len(prefix) >= cursor:
             begin, end = _find(text, msg["content"], len(prefix))
             # everything after the generation prompt is the model's to generate (e.g. the space in
@@ -78,13 +86,30 @@ def special_ids(tok) -> set:
     return ids | set(tok.all_special_ids)
 
 
+def _cut(tok, text: str, max_length: Optional[int], specials: set) -> int:
+    """Where to stop tokenizing a conversation that will be truncated anyway: right before a special
+    token past ~6 characters per token of budget. Tokenizers split special tokens out before anything
+    else, so every token before that point is the same as in the full tokenization."""
+    want = None if max_length is None else 6 * max_length
+    if want is None or len(text) <= want:
+        return len(text)
+    strings = tuple(sorted(tok.convert_ids_to_tokens(sorted(specials)), key=len, reverse=True))
+    m = re.compile("|".join(map(re.escape, strings))).search(text, want) if strings else None
+    return m.start() if m else len(text)
+
+
 def tokenize_conversation(tok, messages: List[Dict[str, str]], max_length: Optional[int] = None,
                           specials: Optional[set] = None) -> Dict[str, object]:
     """{input_ids, loss_mask, truncated}; loss_mask is 1 on assistant reply tokens incl. end-of-turn."""
     specials = special_ids(tok) if specials is None else specials
-    text, spans = reply_spans(tok, messages)
+    text = render(tok, messages)
+    cut = _cut(tok, text, max_length, specials)
     # the template writes its own BOS (if any), so the tokenizer must not add another
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
+    if cut < len(text) and len(enc["input_ids"]) <= max_length:  # denser text than guessed: all of it
+        cut = len(text)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    text, spans = reply_spans(tok, messages, text, stop=cut)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [0] * len(ids)
     t = 0

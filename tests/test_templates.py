@@ -191,6 +191,23 @@ def test_truncation(tokenizers):
     assert not tokenize_conversation(tok, msgs, max_length=len(full["input_ids"]))["truncated"]
 
 
+@pytest.mark.parametrize("name", ["smollm2", "llama3.1", "mistral-sys-last", "vicuna"])
+def test_truncated_long_conversation_matches_the_full_tokenization(tokenizers, name):
+    # long chats are tokenized only up to a special token past the budget: the kept tokens and mask
+    # must be exactly those of the full tokenization
+    tok = tokenizers[name]
+    msgs = []
+    for i in range(40):
+        msgs += [{"role": "user", "content": f"Question {i}: why is the sky blue? " * (1 + i % 3)},
+                 {"role": "assistant", "content": f"Answer {i}: Rayleigh scattering. " * (2 + i % 4)}]
+    full = tokenize_conversation(tok, msgs)
+    assert len(full["input_ids"]) > 1500
+    for n in (50, 333, 700, len(full["input_ids"]) - 1, len(full["input_ids"])):
+        out = tokenize_conversation(tok, msgs, max_length=n)
+        assert out["input_ids"] == full["input_ids"][:n] and out["loss_mask"] == full["loss_mask"][:n]
+        assert out["truncated"] == (n < len(full["input_ids"]))
+
+
 def test_template_errors_have_reasons(tokenizers):
     # Mistral v0.1 refuses non-alternating roles
     msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
