@@ -34,8 +34,13 @@ def test_alias_answers_a_chat_prompt(smollm2):
     model, tok = smollm2
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
+    try:
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
     answer = tok.decode(out[0, enc["input_ids"].shape[1]:])
     assert "Paris" in answer, answer
 
