@@ -140,6 +140,9 @@ class TrainConfig:
     token_weight: float = 0.1
     # EAGLE-1/2 uniform input noise half-width on features
     noise: float = 0.2
+    # EAGLE-3: train fc on aux features divided by their per-dim RMS (measured on the first 16
+    # samples) and fold the scale back into fc on save; keeps Adam stable on outlier dims (|x|~4400)
+    feature_norm: bool = True
     seed: int = 0
     # log, evaluate, checkpoint every N optimizer steps
     log_every: int = 10
@@ -233,7 +236,7 @@ CHOICES = {
     "train.engine": ("deepspeed", "ddp", "none"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "train.scheduler": ("cosine", "linear", "constant"),
-    "train.resume": ("auto", "true", "false"),
+    "train.resume": ("auto", "true", "false", "True", "False"),  # key=value overrides parse true as a bool
     "train.tracker": ("wandb", "tensorboard", "none"),
     "eval.tree": ("dynamic", "chain", "static"),
     "hub.dtype": ("float32", "bfloat16", "float16"),
