@@ -198,7 +198,8 @@ def iter_json_array(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     tail = buf[pos:]
     dropped = len(tail.encode("utf-8"))
     skips.bytes_dropped += dropped
-    skips.add("truncated_file_tail", f"{path.name}[{index}]")
+    if tail.strip():  # a cut-off record (not just a missing `]`)
+        skips.add("truncated_file_tail", f"{path.name}[{index}]")
     warnings.warn(f"{path}: JSON array is truncated; kept its {index} complete records, dropped the last "
                   f"{dropped} bytes (an incomplete record)", stacklevel=2)
 
