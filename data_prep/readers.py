@@ -200,8 +200,9 @@ def iter_json_array(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     skips.bytes_dropped += dropped
     if tail.strip():  # a cut-off record (not just a missing `]`)
         skips.add("truncated_file_tail", f"{path.name}[{index}]")
+    what = "an incomplete record" if tail.strip() else "no record; the closing `]` is missing"
     warnings.warn(f"{path}: JSON array is truncated; kept its {index} complete records, dropped the last "
-                  f"{dropped} bytes (an incomplete record)", stacklevel=2)
+                  f"{dropped} bytes ({what})", stacklevel=2)
 
 
 def iter_jsonl(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
