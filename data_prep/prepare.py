@@ -29,22 +29,16 @@ from tqdm import tqdm
 from data_prep.readers import Skips, read_conversations
 from data_prep.templates import TemplateError, special_ids, tokenize_conversation
 
-FEATURES = None  # built lazily: importing datasets is slow and the CLI help should not pay for it
-
-
 def _features():
-    import datasets
+    import datasets  # imported late: slow, and `eagle-train --help` should not pay for it
 
-    global FEATURES
-    if FEATURES is None:
-        FEATURES = datasets.Features({
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            "truncated": datasets.Value("bool"),
-            "error": datasets.Value("string"),
-        })
-    return FEATURES
+    return datasets.Features({
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "truncated": datasets.Value("bool"),
+        "error": datasets.Value("string"),
+    })
 
 
 def _tokenize(example, tok, max_length, specials):
