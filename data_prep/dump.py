@@ -17,7 +17,7 @@ What is stored per token (see eagle_train/features.py for the layer convention a
     head.type eagle1: last (the target distribution is lm_head(last)); needs dump.storage=full
     always: input_ids (int32), loss_mask (uint8); per shard `offsets` (samples -> token rows)
 Bytes per token for SmolLM2 (H=576, k=64), next to the 8*H = 4608 of a bf16 last+3-layer dump:
-    full/bfloat16 ~4613, topk/bfloat16 ~3717, topk/float8 ~2001 (lean: <= 4*H = 2304).
+    full/bfloat16 4613, topk/bfloat16 3717, topk/float8 2001 (lean: <= 4*H = 2304), full/float8 2325.
     Measured numbers: bench/RESULTS.md (`python bench/dump.py`).
 
 Resume and safety. Every shard is written to a temp name and renamed, then a record
@@ -86,11 +86,14 @@ def main(cfg, model=None) -> Dict[str, dict]:
 
 
 def load_split(folder: Path):
-    from datasets import load_from_disk
+    from datasets import Dataset, load_from_disk
 
-    if not (folder / "dataset_info.json").is_file() and not (folder / "state.json").is_file():
+    if not (folder / "state.json").is_file():
         raise FileNotFoundError(f"prepared corpus not found: {folder} (data.output); "
                                 f"create it with `eagle-train prep <recipe>`")
+    if not json.loads((folder / "state.json").read_text()).get("_data_files"):
+        # a split saved with 0 rows (data.eval_fraction=0): datasets cannot load it back
+        return Dataset.from_dict({"id": [], "input_ids": [], "loss_mask": []})
     return load_from_disk(str(folder))
 
 
@@ -177,6 +180,8 @@ def select_samples(ds) -> tuple[np.ndarray, np.ndarray]:
     """Rows with any loss-masked token and their lengths, computed on the Arrow columns (no Python lists)."""
     import pyarrow.compute as pc
 
+    if len(ds) == 0:  # an empty held-out split (data.eval_fraction=0) has no Arrow chunks at all
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     mask = ds.data.column("loss_mask").combine_chunks()
     lengths = pc.list_value_length(mask).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -340,7 +345,7 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
     rows, lengths = select_samples(ds)
     keep = np.array([r not in done for r in rows.tolist()], dtype=bool)
     batches = plan_batches(rows[keep], lengths[keep], dcfg.batch_tokens)[rank::world]
-    ids = ds.data.column("id").to_pylist()
+    ids = ds.data.column("id").to_pylist() if len(ds) else []
     mine = [int(r.split("-")[2].split(".")[0]) for r in recs if r.startswith(f"shard-r{rank:03d}-")]
     ids_dtype = torch.uint16 if header["vocab_size"] <= 65536 else torch.int32
     writer = ShardWriter(out, rank, max(mine, default=-1) + 1, int(dcfg.shard_size_mb * 2**20), ids_dtype)

@@ -37,7 +37,7 @@ def decoder_of(model):
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                     aux_layers: Optional[List[int]], storage: str = "full", topk: int = 64,
-                    chunk_tokens: int = 4096) -> Dict[str, torch.Tensor]:
+                    chunk_tokens: int = 2048) -> Dict[str, torch.Tensor]:
     """Run the frozen target once and return the features named above.
 
     aux_layers None means no `aux` (EAGLE-1/2). storage is "full" (return `last`) or "topk"
@@ -58,15 +58,13 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[tor
     return feats
 
 
-def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 4096) -> Tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 2048) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k next-token log-probs (float32) and ids (int32) from post-norm hidden states (..., H)."""
     flat = last.reshape(-1, last.shape[-1])
     logp, ids = [], []
     for s in range(0, flat.shape[0], chunk_tokens):
-        logits = lm_head(flat[s:s + chunk_tokens]).float()
-        # top-k of the logits minus logsumexp == top-k of log_softmax, without a second vocab-sized tensor
-        v, i = logits.topk(k, dim=-1)
-        logp.append(v - torch.logsumexp(logits, dim=-1, keepdim=True))
+        v, i = torch.log_softmax(lm_head(flat[s:s + chunk_tokens]).float(), dim=-1).topk(k, dim=-1)
+        logp.append(v)
         ids.append(i.to(torch.int32))
     shape = (*last.shape[:-1], k)
     return torch.cat(logp).reshape(shape), torch.cat(ids).reshape(shape)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Sequence, Value
 from omegaconf import OmegaConf
 
 from conftest import MT_BENCH, ROOT, make_tiny_llama
@@ -23,9 +23,11 @@ from eagle_train.recipe import RecipeError, load_recipe
 
 def write_corpus(folder: Path, samples, eval_samples=()):
     """A prepared corpus as `eagle-train prep` writes it: <folder>/{train,eval} + stats.json."""
+    features = Features({"id": Value("string"), "input_ids": Sequence(Value("int32")),
+                         "loss_mask": Sequence(Value("int8"))})
     for split, rows in (("train", samples), ("eval", eval_samples)):
         Dataset.from_dict({"id": [r[0] for r in rows], "input_ids": [r[1] for r in rows],
-                           "loss_mask": [r[2] for r in rows]}).save_to_disk(str(folder / split))
+                           "loss_mask": [r[2] for r in rows]}, features=features).save_to_disk(str(folder / split))
     (folder / "stats.json").write_text("{}")
 
 
@@ -242,7 +244,8 @@ def test_refuses_other_settings_and_missing_corpus(tmp_path, tiny_dir):
 def test_eagle1_and_collate(tmp_path, tiny_dir):
     model, mdir = tiny_dir
     write_corpus(tmp_path / "data", random_samples(5, seed=4))
-    dump.main(recipe(tmp_path, mdir, "head.type=eagle1", "dump.include_eval=false", "dump.dtype=float8"), model)
+    dump.main(recipe(tmp_path, mdir, "head.type=eagle1", "dump.dtype=float8"), model)
+    assert len(FeatureDataset(tmp_path / "dump" / "eval")) == 0  # an empty held-out split is a valid dump
     ds = FeatureDataset(tmp_path / "dump")
     assert ds.aux_layers is None and set(ds[0]) == {"input_ids", "loss_mask", "last"}
     batch = collate([ds[0], ds[1], ds[2]])
@@ -283,3 +286,24 @@ def test_two_processes_equal_one(tmp_path, tiny_dir):
         assert torch.equal(got[sid]["input_ids"], one[sid]["input_ids"])
         torch.testing.assert_close(got[sid]["aux"], one[sid]["aux"])
     assert sorted(FeatureDataset(tmp_path / "two" / "eval").ids) == sorted(FeatureDataset(tmp_path / "one" / "eval").ids)
+
+
+def test_dump_of_real_prep_output(tmp_path, smollm2):
+    """The prep stage's real output (ShareGPT, SmolLM2 template) dumps and reads back sample for sample."""
+    from conftest import SHAREGPT
+    from data_prep import prepare
+
+    cfg = load_recipe(None, [f"output_dir={tmp_path}", f"data.source={SHAREGPT}", "data.max_conversations=8",
+                             "data.max_length=128", "data.eval_fraction=0.3", "target.model=smollm2-135m-instruct",
+                             "target.device=cpu", "dump.storage=topk", "dump.dtype=float8"])
+    prepare.main(cfg)
+    dump.main(cfg, smollm2[0])
+    for split in ("train", "eval"):
+        prepared = Dataset.load_from_disk(str(tmp_path / "data" / split))
+        kept = {r["id"]: r for r in prepared if any(r["loss_mask"])}
+        ds = FeatureDataset(tmp_path / "dump" / split if split == "eval" else tmp_path / "dump")
+        assert sorted(ds.ids) == sorted(kept)
+        for i, sid in enumerate(ds.ids):
+            assert ds[i]["input_ids"].tolist() == kept[sid]["input_ids"]
+            assert ds[i]["loss_mask"].tolist() == kept[sid]["loss_mask"]
+            assert ds[i]["aux"].shape == (len(kept[sid]["input_ids"]), 3 * 576)
