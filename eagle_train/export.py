@@ -378,7 +378,11 @@ def _resolve_folder(path) -> Path:
         raise FileNotFoundError(f"{path}: not an exported head folder or hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id=str(path), allow_patterns=["config.json", "*.safetensors", "README.md"]))
+    try:
+        return Path(snapshot_download(repo_id=str(path), allow_patterns=["config.json", "*.safetensors", "README.md"]))
+    except Exception as err:  # offline, missing or gated repo
+        raise FileNotFoundError(f"{path}: no such folder, and downloading it as a hub id failed "
+                                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
 
 
 def _rope(cfg: dict):

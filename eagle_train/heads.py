@@ -58,6 +58,10 @@ def load_head(path, target=None, map_location="cpu"):
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
+        if not path.exists() and str(path).count("/") == 1:  # a hub id (owner/name): exported layout
+            from eagle_train import export
+
+            return export.load_exported(str(path), target=target, map_location=map_location)
         raise FileNotFoundError(f"{cfg_file} not found: not a head folder (train writes <train.output>/final)")
     meta = json.loads(cfg_file.read_text())
     if "eagle_train" not in meta:

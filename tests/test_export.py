@@ -364,3 +364,21 @@ def test_exported_smollm2_head_same_greedy_tau(tmp_path, smollm2, one_thread):
     assert outs[:5] == outs[5:]
     assert taus[0] == taus[1]
     assert taus[0] > 1.3, f"the fitted head should draft well on its own continuations (tau {taus[0]:.2f})"
+
+
+def test_load_head_accepts_hub_id(good_export, tiny_llama, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+
+    def fake_download(repo_id, allow_patterns=None, **kw):
+        asked.append(repo_id)
+        if repo_id != "me/tiny-eagle3":
+            raise huggingface_hub.errors.RepositoryNotFoundError("404 Repository Not Found")
+        return str(good_export)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    head = load_head("me/tiny-eagle3", target=tiny_llama)
+    assert asked == ["me/tiny-eagle3"] and head.config.draft_vocab_size == 100
+    with pytest.raises(FileNotFoundError, match="me/missing: no such folder"):
+        load_head("me/missing", target=tiny_llama)
