@@ -507,8 +507,9 @@ def main(cfg) -> int:
         "source": str(src),
         "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
     }
-    train_state = (_read_json(src / "train_state.json") or _read_json(Path(cfg.train.output) / "train_state.json")
-                   or {k: v for k, v in info.get("eagle_train", {}).items() if k not in ("config", "head_type")})
+    # the trainer writes {"step", "metrics", ...} beside the head and into its config.json
+    train_state = (_read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
+                   or _read_json(Path(cfg.train.output) / "train_state.json"))
     card = model_card.render(
         head=head, cfg=cfg, recipe_yaml=recipe_yaml,
         train_state=train_state or None,

@@ -22,13 +22,13 @@ def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, st
     """(topk, depth, num_draft_tokens) for the serving commands, and where it came from."""
     if sweep and sweep.get("best"):
         b = sweep["best"]
-        return {k: int(b[k]) for k in ("topk", "depth", "num_draft_tokens")}, "best setting of `eagle-train sweep`"
+        return {k: int(b[k]) for k in ("topk", "depth", "num_draft_tokens")}, "the best setting `eagle-train sweep` found"
     if report and report.get("settings"):
         s = report["settings"]
         if all(k in s for k in ("topk", "depth", "num_draft_tokens")):
-            return {k: int(s[k]) for k in ("topk", "depth", "num_draft_tokens")}, "setting of the eval report"
+            return {k: int(s[k]) for k in ("topk", "depth", "num_draft_tokens")}, "the eval report's setting"
     e = cfg.eval
-    return {"topk": e.topk, "depth": e.depth, "num_draft_tokens": e.num_draft_tokens}, "recipe's eval setting (no sweep run)"
+    return {"topk": e.topk, "depth": e.depth, "num_draft_tokens": e.num_draft_tokens}, "the recipe's eval section; no sweep was run"
 
 
 def serving_commands(kind: str, target: str, repo: str, setting: dict, target_revision=None,
@@ -118,7 +118,7 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
           "text on its own: serve it next to the target with vLLM or SGLang.", "",
         "## Serve it", "",
         f"Tree setting: topk {setting['topk']}, depth {setting['depth']}, {setting['num_draft_tokens']} draft "
-        f"tokens ({setting_src}).", "",
+        f"tokens, from {setting_src}.", "",
         "vLLM (drafts a chain of `num_speculative_tokens` = depth):", "", "```bash", vllm, "```", "",
         "SGLang (its `--speculative-num-draft-tokens` counts the verified root token too):", "",
         "```bash", sglang, "```", "",

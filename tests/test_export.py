@@ -252,15 +252,16 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     tiny_llama.save_pretrained(tmp_path / "target")
     recipe = _recipe(tmp_path, tmp_path / "target")
     head = make_head(tiny_llama)
-    final = save_head(head, tmp_path / "run/train/final")
-    (final / "train_state.json").write_text(json.dumps({"step": 1500, "metrics": {"loss": 1.234, "acc_0": 0.61}}))
+    # the trainer's metadata, as train.py writes it into the head's config.json
+    save_head(head, tmp_path / "run/train/final",
+              extra={"train_state": {"step": 1500, "metrics": {"loss": 1.234, "acc_0": 0.61}}})
 
     # no eval yet: the card says so and falls back to the recipe's eval setting
     assert cli.main(["export", str(recipe)]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "model.safetensors" in out
     card = (tmp_path / "run/export/README.md").read_text()
-    assert "Not evaluated" in card
+    assert "Not evaluated" in card and "trained steps: 1500" in card
     assert "--speculative-num-steps 3 --speculative-eagle-topk 2 --speculative-num-draft-tokens 5" in card
 
     (tmp_path / "run/eval").mkdir(parents=True)
@@ -361,6 +362,7 @@ def test_exported_smollm2_head_same_greedy_tau(tmp_path, smollm2, one_thread):
             lengths += stats["accept_lengths"]
             outs.append(tokens)
         taus.append(1 + sum(lengths) / len(lengths))
+    print(f"greedy tau on 5 MT-bench prompts: in-memory {taus[0]:.4f}, exported {taus[1]:.4f}")
     assert outs[:5] == outs[5:]
     assert taus[0] == taus[1]
     assert taus[0] > 1.3, f"the fitted head should draft well on its own continuations (tau {taus[0]:.2f})"
