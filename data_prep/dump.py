@@ -38,7 +38,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 import torch
@@ -266,7 +266,7 @@ def encode(feats: Dict[str, torch.Tensor], valid: torch.Tensor, dtype: str) -> D
             enc[name] = x.to(torch.float32 if dtype == "float32" else torch.float16)
         else:  # topk_ids: uint16 when the vocabulary fits
             enc[name] = x
-    return {k: v.to("cpu", non_blocking=False) for k, v in enc.items()}
+    return {k: v.cpu() for k, v in enc.items()}
 
 
 class ShardWriter:
