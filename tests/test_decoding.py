@@ -1,0 +1,136 @@
+"""Greedy speculative decoding is lossless (token for token equal to `generate`, EOS and
+max_new_tokens included) for the dynamic tree, the chain and a static tree; an oracle drafter
+gets tau = depth + 1."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import MT_BENCH, make_tiny_llama
+from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate
+from eagle_train.heads import build_head
+from eagle_train.recipe import HeadConfig
+
+MODES = {
+    "dynamic": dict(tree="dynamic", topk=2, depth=3, num_draft_tokens=4),
+    "chain": dict(tree="chain", depth=3),
+    "static": dict(tree="static", static_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+}
+MAX_NEW = 16  # short answers keep the 10-prompt x 3-mode losslessness check affordable on a CPU
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+
+class OracleHead(torch.nn.Module):
+    """A drafter with the head interface that knows the target's greedy continuation `seq`
+    (prompt + answer): at position t it proposes seq[t + 2]. With `noise` > 0 it sometimes ranks
+    a wrong token first, so siblings and partial acceptance get exercised."""
+
+    def __init__(self, seq, vocab_size, noise=0.0, seed=0):
+        super().__init__()
+        self.seq, self.vocab_size, self.noise = seq, vocab_size, noise
+        self.config = SimpleNamespace(aux_layers=None)  # reads the post-norm last hidden state
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, input_ids, hidden, position_ids, kv_cache=None, attn_mask=None):
+        n = input_ids.shape[1]
+        logits = torch.zeros(1, n, self.vocab_size)
+        for j, t in enumerate(position_ids[0].tolist()):
+            if t + 2 < len(self.seq):
+                right = self.seq[t + 2]
+                wrong = torch.rand((), generator=self.gen) < self.noise
+                logits[0, j, right] = 4.0 if wrong else 10.0
+                if wrong:
+                    logits[0, j, (right + 7) % self.vocab_size] = 8.0
+        kv = torch.zeros(1, 1, n, 1)
+        if kv_cache is not None:
+            kv = torch.cat([kv_cache[0], kv], dim=2)
+        return torch.zeros(1, n, hidden.shape[-1]), logits, (kv, kv)
+
+
+def chat_ids(tok, text):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    return ids["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs(smollm2):
+    model, tok = smollm2
+    qs = [json.loads(line) for line in MT_BENCH.read_text().splitlines()[:10]]
+    out = []
+    for q in qs:
+        ids = chat_ids(tok, q["turns"][0])
+        out.append((ids, vanilla_generate(model, ids, MAX_NEW, eos_token_id=tok.eos_token_id)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def random_head(smollm2):
+    model, _ = smollm2
+    torch.manual_seed(0)
+    head = build_head(OmegaConf.structured(HeadConfig(type="eagle3", draft_vocab_size=8192)), model.config)
+    head.load_target_embeddings(model)
+    return head.eval()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_equals_generate_random_head(smollm2, prompts_and_refs, random_head, mode):
+    model, tok = smollm2
+    cfg = SpecConfig(max_new_tokens=MAX_NEW, **MODES[mode])
+    for ids, ref in prompts_and_refs:
+        out, stats = speculative_generate(model, random_head, ids, cfg, eos_token_id=tok.eos_token_id)
+        assert out == ref
+        assert stats["passes"] == len(stats["accept_lengths"]) >= 1
+
+
+def test_greedy_equals_generate_eagle1_noisy_oracle(smollm2, prompts_and_refs):
+    """Partial acceptance deep in the tree (non-contiguous cache gathers) stays lossless."""
+    model, tok = smollm2
+    for k, (ids, ref) in enumerate(prompts_and_refs[:2]):
+        seq = ids[0].tolist() + ref
+        for mode in MODES.values():
+            head = OracleHead(seq, model.config.vocab_size, noise=0.3, seed=k)
+            out, stats = speculative_generate(model, head, ids, SpecConfig(max_new_tokens=MAX_NEW, **mode),
+                                              eos_token_id=tok.eos_token_id)
+            assert out == ref
+            assert 0 < sum(stats["accept_lengths"]) < 3 * stats["passes"]
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "chain"])
+def test_oracle_tau_is_depth_plus_one(smollm2, prompts_and_refs, mode):
+    model, tok = smollm2
+    ids, ref = prompts_and_refs[0]
+    cfg = SpecConfig(max_new_tokens=MAX_NEW, **MODES[mode])
+    out, stats = speculative_generate(model, OracleHead(ids[0].tolist() + ref, model.config.vocab_size),
+                                      ids, cfg, eos_token_id=tok.eos_token_id)
+    assert out == ref
+    tau = sum(a + 1 for a in stats["accept_lengths"]) / stats["passes"]
+    assert tau == cfg.depth + 1
+
+
+def test_eos_and_budget_stop_like_generate():
+    """EOS inside an accepted path ends generation there, EOS included, like `generate`."""
+    model = make_tiny_llama(vocab_size=64, layers=2, hidden=32, seed=3)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    free = vanilla_generate(model, ids, 12, eos_token_id=None)
+    eos = free[6]  # a token the greedy continuation reaches
+    ref = vanilla_generate(model, ids, 12, eos_token_id=eos)
+    assert ref[-1] == eos and len(ref) <= 7
+    for mode in MODES.values():
+        for max_new in (1, 3, 12):
+            head = OracleHead(ids[0].tolist() + free, 64)
+            out, _ = speculative_generate(model, head, ids, SpecConfig(max_new_tokens=max_new, **mode), eos_token_id=eos)
+            assert out == vanilla_generate(model, ids, max_new, eos_token_id=eos)

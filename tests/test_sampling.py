@@ -1,0 +1,102 @@
+"""Speculative sampling must reproduce the target's distribution exactly (chi-square on the joint
+of the first 3 sampled tokens of a tiny small-vocabulary target), and a wrong acceptance rule
+must fail the same test."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import make_tiny_llama
+from eagle_train.decoding import SpecConfig, rejection_rule, speculative_generate, target_probs
+from eagle_train.eagle3 import Eagle3Config, Eagle3Head
+
+V, N = 4, 400  # 64 joint cells; the wrong rule below fails with p ~ 1e-9 at this N
+PROMPT = torch.tensor([[1, 3, 0, 2]])
+TEMPERATURE, TOP_P = 1.0, 0.95
+
+
+@pytest.fixture(scope="module")
+def setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: extra threads only contend
+    target = make_tiny_llama(vocab_size=V, layers=2, hidden=32, seed=0)
+    target.lm_head.weight.data *= 8  # a peaked but not degenerate next-token distribution
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config.from_target(target.config, V, [0, 1, 2])).eval()
+    head.load_target_embeddings(target)
+    yield target, head
+    torch.set_num_threads(threads)
+
+
+def exact_joint(target):
+    """p(t1, t2, t3) for all V^3 continuations, with the same temperature / top-p as the sampler."""
+    probs = {}
+    with torch.no_grad():
+        for prefix in itertools.chain([()], itertools.product(range(V), repeat=1), itertools.product(range(V), repeat=2)):
+            ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long).view(1, -1)], dim=1)
+            probs[prefix] = target_probs(target(ids).logits[0, -1], TEMPERATURE, TOP_P)
+    joint = torch.zeros(V, V, V)
+    for a, b, c in itertools.product(range(V), repeat=3):
+        joint[a, b, c] = probs[()][a] * probs[(a,)][b] * probs[(a, b)][c]
+    return joint.flatten()
+
+
+def sampled_counts(target, head, rule, seed=0):
+    cfg = SpecConfig(tree="dynamic", topk=2, depth=2, num_draft_tokens=3, temperature=TEMPERATURE,
+                     top_p=TOP_P, max_new_tokens=3)
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V ** 3)
+    for _ in range(N):
+        toks, _ = speculative_generate(target, head, PROMPT, cfg, generator=gen, accept_rule=rule)
+        a, b, c = toks
+        counts[(a * V + b) * V + c] += 1
+    return counts
+
+
+def chi2_pvalue(counts, joint):
+    """Pool cells whose expected count is < 5 into one bin, then chi-square."""
+    expected = joint * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep].double(), exp[keep].double()
+    assert obs.sum() == exp.sum().round(), "sampled tokens outside the top-p nucleus"
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+def wrong_rule(p, q, x, generator):
+    """Classic bug: on reject keep sampling from p instead of the residual (x not removed)."""
+    ok, _ = rejection_rule(p, q, x, generator)
+    return ok, p
+
+
+def test_speculative_sampling_matches_target(setup):
+    target, head = setup
+    joint = exact_joint(target)
+    assert chi2_pvalue(sampled_counts(target, head, rejection_rule), joint) > 0.01
+    assert chi2_pvalue(sampled_counts(target, head, wrong_rule), joint) < 1e-5
+
+
+def test_top_p_keeps_the_nucleus():
+    p = target_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), 1.0, top_p=0.8)
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = target_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), 1.0, top_p=0.81)
+    assert (p > 0).tolist() == [True, True, True, False]
+
+
+def test_rejection_rule_with_a_real_q_draws_from_the_residual():
+    """Candidate sampled from q: accepted w.p. min(1, p/q); residual norm(max(0, p - q))."""
+    p, q = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.6, 0.2, 0.2])
+    gen = torch.Generator().manual_seed(0)
+    hits = sum(rejection_rule(p, q, 0, gen)[0] for _ in range(4000))
+    assert abs(hits / 4000 - 0.2 / 0.6) < 0.03
+    ok, residual = False, None
+    while not ok and residual is None:
+        ok, residual = rejection_rule(p, q, 0, gen)
+        residual = None if ok else residual
+    torch.testing.assert_close(residual, torch.tensor([0.0, 0.75, 0.25]))

@@ -1,0 +1,120 @@
+"""Tree attention mask / position ids against hand-computed values; tree verification against
+sequential forwards; the target KV cache after acceptance against a plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle_train.decoding import (SpecConfig, Tree, commit_cache, draft_tree, head_update, rerank,
+                                  static_paths, target_forward, tree_mask, verify)
+from eagle_train.eagle3 import Eagle3Config, Eagle3Head
+
+#        0 (root)
+#       / \
+#      1   2
+#     / \   \
+#    3   4   5
+#    |
+#    6
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+DEPTHS = [0, 1, 1, 2, 2, 2, 3]
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+
+def test_tree_mask_and_positions_hand_built():
+    mask, pos = tree_mask(PARENTS, DEPTHS, past_len=3)
+    assert mask.shape == (1, 1, 7, 10)
+    tree_part = [  # row i: which tree nodes node i sees (itself and its ancestors)
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ]
+    expected = torch.cat([torch.ones(7, 3), torch.tensor(tree_part, dtype=torch.float)], dim=1).bool()
+    assert torch.equal(mask[0, 0] == 0, expected)
+    assert (mask[0, 0][~expected] == torch.finfo(torch.float32).min).all()
+    assert pos.tolist() == [[3, 4, 4, 5, 5, 5, 6]]
+
+
+def test_static_paths_and_rerank_keep_ancestors():
+    assert static_paths(SpecConfig(tree="chain", depth=3)) == [[0], [0, 0], [0, 0, 0]]
+    assert static_paths(SpecConfig(tree="static", static_tree=[[0, 0], [1], [0]])) == [[0], [1], [0, 0]]
+    # candidates: two depth-1 nodes (work-tree nodes 1, 2) and their children
+    cands = [dict(score=-0.1, parent=0, token=10, depth=1, node=1),
+             dict(score=-2.0, parent=0, token=11, depth=1, node=2),
+             dict(score=-0.3, parent=1, token=12, depth=2, node=None),
+             dict(score=-2.5, parent=2, token=13, depth=2, node=None),
+             dict(score=-1.0, parent=1, token=14, depth=2, node=None)]
+    t = rerank(cands, root=7, n_keep=3)
+    assert t.tokens == [7, 10, 12, 14] and t.parents == [-1, 0, 1, 1] and t.depths == [0, 1, 2, 2]
+    t = rerank(cands, root=7, n_keep=5)
+    assert sorted(t.tokens) == [7, 10, 11, 12, 13, 14]
+    assert all(t.parents[i] < i for i in range(1, len(t.tokens)))
+
+
+def _prefix_cache(model, prefix):
+    cache = DynamicCache()
+    target_forward(model, prefix, cache, None)
+    return cache
+
+
+def test_tree_logits_equal_sequential_and_cache_after_accept(tiny_llama):
+    model = tiny_llama
+    prefix = torch.tensor([[1, 17, 33, 5, 99]])
+    tokens = [40, 41, 42, 43, 44, 45, 46]
+    tree = Tree(tokens, PARENTS, DEPTHS, [None] * 7)
+    cache = _prefix_cache(model, prefix)
+    logits, feats = verify(model, cache, tree, prefix.shape[1], [1, 3, 5])
+    # every node's logits are those of a plain forward over its path
+    for i in range(7):
+        path = torch.tensor([[tokens[j] for j in tree.ancestors(i)]])
+        ref = model(torch.cat([prefix, path], 1)).logits[0, -1]
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+    # accept root -> 1 -> 3 -> 6 (tree indices 0, 1, 3, 6: not contiguous)
+    keep = [0, 1, 3, 6]
+    commit_cache(cache, prefix.shape[1], torch.tensor(keep))
+    accepted = torch.cat([prefix, torch.tensor([[tokens[j] for j in keep]])], 1)
+    ref_cache = _prefix_cache(model, accepted)
+    assert cache.get_seq_length() == accepted.shape[1]
+    for layer, ref in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(layer.values, ref.values, atol=1e-5, rtol=1e-4)
+    # and the next forward over the committed cache continues exactly like a fresh one
+    nxt = torch.tensor([[77]])
+    got = model(nxt, cache=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(got, model(torch.cat([accepted, nxt], 1)).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_head_tree_draft_equals_sequential_head(tiny_llama):
+    """A depth-2 draft computed inside the tree (masked batch) equals the head run causally over
+    that one path, so tree drafting changes no draft probability."""
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(tiny_llama.config, 512, [1, 3, 5])).eval()
+    prefix = torch.tensor([[1, 17, 33, 5, 99]])
+    cache = DynamicCache()
+    logits, feats = target_forward(tiny_llama, prefix, cache, [1, 3, 5])
+    root = 8
+    C = prefix.shape[1]
+    last_out, last_logp, hkv = head_update(head, None, 0, prefix[0, 1:].tolist() + [root], feats)
+    cfg = SpecConfig(tree="static", static_tree=[[0], [1], [1, 0], [1, 1], [0, 0]])
+    tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
+    assert hkv[0].shape[2] == C  # drafting never grows the committed head cache
+    # sequential: feed depth-1 rank-1 token, its child at rank 0 must match the tree's [1, 0] node
+    d1 = int(last_logp.topk(2).indices[1])
+    node_10 = [i for i in range(len(tree.tokens)) if tree.depths[i] == 2 and tree.tokens[tree.parents[i]] == d1]
+    out, lg, _ = head(torch.tensor([[d1]]), last_out.view(1, 1, -1), torch.tensor([[C]]), kv_cache=hkv)
+    assert tree.tokens[node_10[0]] == int(lg[0, -1].argmax())
+    assert tree.tokens[node_10[1]] == int(lg[0, -1].topk(2).indices[1])
