@@ -3,6 +3,7 @@ offline (dump) and online modes, exact resume, NaN stop, CLI."""
 
 import gzip
 import json
+import time
 
 import pytest
 import torch
@@ -80,6 +81,22 @@ def test_tiny_target_30_steps_learn(tmp_path, kind):
         assert abs(hit[valid].float().mean().item() - m["eval/acc_0"]) < 0.02
 
 
+@pytest.mark.parametrize("storage", ["full", "topk"])
+def test_tiny_target_offline_from_dump(tmp_path, storage):
+    """Offline mode reads the dump: `full` -> softmax(target lm_head(last)) over the draft vocabulary,
+    `topk` -> renormalized top-k probabilities; both learn."""
+    from data_prep import dump
+
+    target = make_tiny_llama(vocab_size=128)
+    train.write_corpus(synthetic(), tmp_path / "data")
+    extra = ["train.mode=offline", f"dump.storage={storage}", "dump.topk=16", "dump.dtype=float32"]
+    cfg = load_recipe(None, tiny_args(tmp_path, extra=extra))
+    dump.main(cfg, model=target)
+    m = train.main(cfg, target=target)["metrics"]
+    assert m["eval/loss"] < m["eval0/loss"] - 0.05, m
+    assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.03, m
+
+
 def smollm2_samples(tok, n=40, length=96):
     rows = []
     with gzip.open(SHAREGPT, "rt") as f:
@@ -100,20 +117,21 @@ def smollm2_samples(tok, n=40, length=96):
     return rows
 
 
-@pytest.mark.parametrize("mode", ["online", "offline"])
-def test_smollm2_features_30_steps_learn(tmp_path, smollm2, mode):
-    """Online: the real target runs in-process; offline: from a top-k dump (the recipe default)."""
-    model, tok = smollm2
-    samples = smollm2_samples(tok)
-    train.write_corpus(samples[:32], tmp_path / "data", eval_samples=samples[32:])
-    extra = ["target.model=smollm2-135m-instruct", "head.draft_vocab_size=2048", "train.learning_rate=2e-3",
-             "train.ttt_steps=2", "train.eval_batches=2"]
-    if mode == "offline":
-        from data_prep import dump
+def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
+    """Offline from a real SmolLM2 top-k dump (the recipe default; online mode and full storage run
+    the same loss and are covered on the tiny target, SmolLM2 forwards being slow on this CPU)."""
+    from data_prep import dump
 
-        extra += ["train.mode=offline", "dump.storage=topk", "dump.topk=32", "dump.batch_tokens=1024"]
-        dump.main(load_recipe(None, tiny_args(tmp_path, extra=extra)), model=model)
+    model, tok = smollm2
+    samples = smollm2_samples(tok, n=28, length=64)
+    train.write_corpus(samples[:20], tmp_path / "data", eval_samples=samples[20:])
+    extra = ["target.model=smollm2-135m-instruct", "head.draft_vocab_size=2048", "train.learning_rate=2e-3",
+             "train.ttt_steps=2", "train.eval_batches=2", "train.mode=offline", "dump.storage=topk",
+             "dump.topk=32", "dump.batch_tokens=2048", "dump.dtype=float32"]
     cfg = load_recipe(None, tiny_args(tmp_path, extra=extra))
+    t0 = time.perf_counter()
+    dump.main(cfg, model=model)
+    print(f"dump {time.perf_counter() - t0:.1f}s")
     m = train.main(cfg, target=model)["metrics"]
     assert m["eval/loss"] < m["eval0/loss"] - 0.2, m
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.05, m

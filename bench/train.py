@@ -1,0 +1,139 @@
+"""Training throughput and memory of the EAGLE-3 TTT unroll on SmolLM2 features.
+
+    python bench/train.py                 # table on stdout
+    python bench/train.py --record        # also append it to bench/RESULTS.md (## Training)
+
+For ttt_steps 1, 3, 7 at two sequence lengths: tokens/s of a full training step (forward, soft
+cross-entropy over the draft vocabulary, backward, AdamW) on real SmolLM2-135M aux features of
+ShareGPT text, the activation memory autograd keeps for backward (bytes of saved tensors,
+deduplicated by storage), and the process peak RSS. Each setting runs in its own process so peaks
+do not mix. Activation memory must grow linearly in steps: the check compares the 1->3 and 3->7
+increments per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def features(L, B):
+    from omegaconf import OmegaConf
+
+    from eagle_train.features import target_features
+    from eagle_train.recipe import TargetConfig
+    from eagle_train.target import load_target
+
+    model, tok = load_target(OmegaConf.structured(TargetConfig(model="smollm2-135m-instruct", device="cpu")))
+    ids = []
+    with gzip.open(ROOT.parent / "shared/data/sharegpt/sharegpt_v3_salvaged.jsonl.gz", "rt") as f:
+        for line in f:
+            text = " ".join(t["value"] for t in json.loads(line)["conversations"])
+            ids += tok(text)["input_ids"]
+            if len(ids) >= L * B:
+                break
+    ids = torch.tensor(ids[:L * B]).view(B, L)
+    f = target_features(model, ids, torch.ones_like(ids), [2, 15, 27], "topk", 64)
+    return model, ids, f
+
+
+def one(L, steps, B, iters):
+    from eagle_train import train
+    from eagle_train.draft_vocab import build_draft_vocab
+    from eagle_train.heads import build_head
+    from eagle_train.recipe import HeadConfig, TrainConfig
+    from omegaconf import OmegaConf
+
+    torch.set_num_threads(2)
+    model, ids, f = features(L, B)
+    head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=8192)), model.config)
+    head.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    counts = torch.bincount(ids.flatten(), minlength=model.config.vocab_size)
+    head.set_draft_vocab(*build_draft_vocab(counts, 8192))
+    tc = OmegaConf.structured(TrainConfig(ttt_steps=steps))
+    scale = f["aux"].pow(2).mean((0, 1)).sqrt()
+    loss_fn = train.DraftLoss(head, tc, scale)
+    draft = train.draft_ids_of(head.d2t)
+    t2d_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+    t2d_index[draft] = torch.arange(draft.numel())
+    b = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids), **f}
+    b = train.add_targets(b, "eagle3", None, draft, t2d_index)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    del model
+
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    times = []
+    for i in range(iters + 1):  # first iteration warms up
+        saved.clear()
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = loss_fn(b)
+        activ = sum(saved.values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i:
+            times.append(time.perf_counter() - t0)
+    sec = sorted(times)[len(times) // 2]
+    return {"L": L, "B": B, "ttt_steps": steps, "tokens_per_s": B * L / sec, "sec_per_step": sec,
+            "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--lengths", type=int, nargs=2, default=[256, 512])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one[0], a.one[1], a.batch, a.iters)))
+        return
+    rows = []
+    for L in a.lengths:
+        for steps in (1, 3, 7):
+            out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), "--batch", str(a.batch),
+                                  "--iters", str(a.iters)], capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+    lines = ["| seq len | batch | ttt_steps | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['tokens_per_s']:.0f} | {r['sec_per_step']:.2f} | "
+              f"{r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
+    checks = []
+    for L in a.lengths:
+        m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L}
+        per_a, per_b = (m[3] - m[1]) / 2, (m[7] - m[3]) / 4
+        checks.append(f"L={L}: activation growth per step {per_a:.0f} MiB (1->3) vs {per_b:.0f} MiB (3->7): "
+                      f"ratio {per_b / per_a:.2f} ({'linear' if per_b / per_a < 1.5 else 'SUPERLINEAR'})")
+    text = "\n".join(lines + [""] + [f"- {c}" for c in checks])
+    print(text)
+    if a.record:
+        head = (f"\n## Training\n\n`python bench/train.py` on {platform.node() and 'the dev box'} "
+                f"({torch.get_num_threads()} threads, torch {torch.__version__}, CPU, fp32), EAGLE-3 head for "
+                f"SmolLM2-135M-Instruct (draft vocab 8192), real ShareGPT features, "
+                f"{time.strftime('%Y-%m-%d')}:\n\n")
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write(head + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 eagle_train/train.py` on CPU:
+the run finishes and both ranks hold identical parameters."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, make_tiny_llama
+from test_train import synthetic
+
+from eagle_train import train
+
+
+def test_deepspeed_zero2_two_cpu_processes(tmp_path):
+    target_dir = tmp_path / "target"
+    make_tiny_llama(vocab_size=128, layers=4).save_pretrained(target_dir)
+    train.write_corpus(synthetic(n=32), tmp_path / "data")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"""output_dir: {tmp_path}
+target:
+  model: {target_dir}
+data:
+  source: unused
+head:
+  draft_vocab_size: 64
+train:
+  mode: online
+  engine: deepspeed
+  max_steps: 6
+  warmup_steps: 2
+  micro_batch_size: 2
+  grad_accum: 2
+  ttt_steps: 2
+  eval_every: 6
+  eval_batches: 1
+  save_every: 3
+""")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
+               MASTER_PORT=str(29500 + os.getpid() % 1000))
+    cmd = [str(accelerate), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
+           str(ROOT / "eagle_train" / "train.py"), str(recipe)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "DeepSpeed" in proc.stderr + proc.stdout or (tmp_path / "train/checkpoint/pytorch_model").exists()
+    state = json.loads((tmp_path / "train/final/train_state.json").read_text())
+    digests = state["rank_param_sha256"]
+    assert state["step"] == 6 and len(digests) == 2 and digests[0] == digests[1]
+    assert (tmp_path / "train/checkpoint/train_state.json").is_file()
