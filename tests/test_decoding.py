@@ -86,6 +86,7 @@ def random_head(smollm2):
     return head.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_equals_generate_random_head(smollm2, prompts_and_refs, random_head, mode):
     model, tok = smollm2
@@ -134,3 +135,23 @@ def test_eos_and_budget_stop_like_generate():
             head = OracleHead(ids[0].tolist() + free, 64)
             out, _ = speculative_generate(model, head, ids, SpecConfig(max_new_tokens=max_new, **mode), eos_token_id=eos)
             assert out == vanilla_generate(model, ids, max_new, eos_token_id=eos)
+
+
+@pytest.mark.slow  # trains a head (4 steps) and decodes 10 prompts x 3 modes: ~1 min on an idle 2-core CPU
+def test_greedy_equals_generate_trained_head(smollm2, prompts_and_refs, tmp_path):
+    """A head trained for a few steps (eagle_train.train.quick_train, draft vocabulary + d2t) on the
+    target's own answers: every mode still reproduces `generate` token for token."""
+    from eagle_train.train import quick_train
+
+    model, tok = smollm2
+    samples = []
+    for ids, ref in prompts_and_refs:
+        seq = ids[0].tolist() + ref
+        samples.append((seq, [0] * ids.shape[1] + [1] * len(ref)))
+    head = quick_train(model, samples, tmp_path / "run", steps=4).eval()
+    assert int(head.d2t.abs().sum()) > 0  # a real draft vocabulary, so d2t mapping is exercised
+    for mode in MODES.values():
+        cfg = SpecConfig(max_new_tokens=MAX_NEW, **mode)
+        for ids, ref in prompts_and_refs:
+            out, _ = speculative_generate(model, head, ids, cfg, eos_token_id=tok.eos_token_id)
+            assert out == ref

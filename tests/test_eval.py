@@ -56,14 +56,14 @@ def test_resolve_benchmarks(tmp_path, shared_data):
 def test_eval_mt_bench_writes_report(smollm2, head_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)  # reuse the loaded model
     out = tmp_path / "eval"
-    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2", "eval.max_new_tokens=8",
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=1", "eval.max_new_tokens=8",
             "eval.temperatures=[0.0,0.7]", "eval.tree=dynamic", "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=3"]
     assert run.cli(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert set(rep) >= {"target", "head", "machine", "date", "settings", "results"}
     assert [r["temperature"] for r in rep["results"]] == [0.0, 0.7]
     for r in rep["results"]:
-        assert r["benchmark"] == "mt_bench" and r["n_prompts"] == 2
+        assert r["benchmark"] == "mt_bench" and r["n_prompts"] == 1
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_s_spec"] > 0 and r["tokens_per_s_vanilla"] > 0
         assert len(r["accept_by_depth"]) == 2 and len(r["accept_hist"]) == 3 and sum(r["accept_hist"]) > 0
         assert set(r["per_category"]) == {"writing"}
