@@ -19,6 +19,15 @@ MT_BENCH = SHARED_DATA / "mt_bench" / "question.jsonl"
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     assert SHARED_DATA.is_dir(), f"tests read real data from {SHARED_DATA}"

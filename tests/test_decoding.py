@@ -23,13 +23,7 @@ MODES = {
 }
 MAX_NEW = 16  # short answers keep the 10-prompt x 3-mode losslessness check affordable on a CPU
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

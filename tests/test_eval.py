@@ -17,13 +17,7 @@ from eval import run
 
 RECIPE = "recipes/smollm2-135m-eagle3.yaml"
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

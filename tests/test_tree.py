@@ -21,13 +21,7 @@ from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]
 DEPTHS = [0, 1, 1, 2, 2, 2, 3]
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Batch-1 decoding is latency bound; on a shared CPU a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
