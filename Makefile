@@ -6,10 +6,9 @@ BIN := $(VENV)/bin
 # torch 2.13.0 is the CPU wheel this project is tested with; a newer torch pulls GBs of CUDA.
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-135m-eagle3.yaml
-# demo-sized overrides of the embedded-default recipe (drop them for the full run)
 # demo-sized overrides of the embedded-default recipe, ~15 min on 2 CPU cores (`make demo DEMO=` for the full run)
 DEMO ?= output_dir=outputs/demo data.max_conversations=150 data.max_length=384 \
-        head.init_from_target=true train.max_steps=40 train.micro_batch_size=4 train.ttt_steps=2 \
+        train.max_steps=40 train.micro_batch_size=4 train.ttt_steps=2 \
         train.warmup_steps=5 train.eval_every=20 train.save_every=20 train.eval_batches=4 \
         eval.max_prompts=3 eval.max_new_tokens=64
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
