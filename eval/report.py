@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PLOTS = ("accept_hist.png", "tau_by_category.png", "accept_by_depth.png")
 
@@ -92,6 +93,7 @@ def plot_report(rep: dict, out: Path) -> None:
         ys = [float("nan") if a is None else a for a in r["accept_by_depth"]]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=_label(r))
     ax.set_xlabel("draft depth")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("acceptance rate (given the parent was accepted)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by depth")
