@@ -44,6 +44,12 @@ train:
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                MASTER_PORT=str(port))
+    # Build DeepSpeed's CPU shm-allreduce op in one process first: when both ranks build it inside
+    # the launch (a fresh TORCH_EXTENSIONS_DIR, e.g. a clean CI clone) the ranks were seen to hang
+    # after "built successfully"; with the op already built the launch passes.
+    prebuild = ("from deepspeed.accelerator import get_accelerator; "
+                "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    subprocess.run([sys.executable, "-c", prebuild], env=env, check=True, capture_output=True, timeout=600)
     cmd = [str(accelerate), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
            str(ROOT / "eagle_train" / "train.py"), str(recipe)]
