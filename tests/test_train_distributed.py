@@ -42,7 +42,12 @@ train:
     with socket.socket() as sock:  # a free port: a busy one (another launch on this box) can hang gloo
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
+    # launch from a clean environment: earlier in-process tests (accelerate/DeepSpeed state) leave
+    # rank and launcher variables behind, and with them the 2-rank launch hung in the full suite
+    leaked = ("ACCELERATE_", "DEEPSPEED", "DS_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+              "MASTER_", "CROSS_", "LOCAL_SIZE", "GROUP_", "ROLE_", "TORCHELASTIC", "OMPI_", "PMI_", "CCL_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
+    env = dict(clean, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                MASTER_PORT=str(port))
     # Build DeepSpeed's CPU shm-allreduce op in one process first: when both ranks build it inside
     # the launch (a fresh TORCH_EXTENSIONS_DIR, e.g. a clean CI clone) the ranks were seen to hang
