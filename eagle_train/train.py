@@ -324,7 +324,9 @@ def make_accelerator(cfg, out):
               "bf16": {"enabled": mp == "bf16"}, "fp16": {"enabled": mp == "fp16"}}
         ds = merge(ds, dict(tc.deepspeed))
         kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
-    else:
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED"):
+        # launched with --use_deepspeed but one process (or engine ddp/none): run without DeepSpeed.
+        # Only override what the launcher set, so in-process callers' environments stay untouched.
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     if tc.tracker != "none":
         if tc.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
