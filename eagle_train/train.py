@@ -24,11 +24,13 @@ the concatenation. Memory per step is O(L^2 + L*s), so the unroll grows linearly
 from __future__ import annotations
 
 import copy
+import faulthandler
 import hashlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -323,6 +325,12 @@ def make_accelerator(cfg, out):
               "zero_optimization": {"stage": tc.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
               "bf16": {"enabled": mp == "bf16"}, "fp16": {"enabled": mp == "fp16"}}
         ds = merge(ds, dict(tc.deepspeed))
+        if not cuda:
+            # DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU ranks; only inference_all_reduce
+            # uses it, never training, and the build needs a compiler and minutes on a small box.
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED"):
         # launched with --use_deepspeed but one process (or engine ddp/none): run without DeepSpeed.
@@ -356,6 +364,17 @@ def save_checkpoint(acc, out, state):
         os.replace(tmp, ckpt)
         shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
+
+
+def shared_draft_vocab(acc, path, count, size):
+    """(d2t, t2d): rank 0 counts tokens and writes `path`, the other ranks read it. Every rank enters
+    the block whether or not the file exists yet: a rank that checked first and skipped it would miss
+    the barrier rank 0 waits on (seen as a 2-rank hang when rank 1 arrived after the file was written)."""
+    with acc.main_process_first():
+        if not path.is_file():
+            counts = count()
+            save_draft_vocab(path, *build_draft_vocab(counts, size), counts)
+    return load_draft_vocab(path)
 
 
 def find_checkpoint(out):
@@ -417,13 +436,8 @@ def main(cfg, target=None, stop_after=None):
         head.lm_head.weight.data.copy_(lm_head_w.float())
     feature_scale = None
     if kind == "eagle3":
-        vocab_file = out / "draft_vocab.safetensors"
-        if not vocab_file.is_file():
-            with acc.main_process_first():  # rank 0 counts; the others read its file
-                if not vocab_file.is_file():
-                    counts = count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)
-                    save_draft_vocab(vocab_file, *build_draft_vocab(counts, cfg.head.draft_vocab_size), counts)
-        head.set_draft_vocab(*load_draft_vocab(vocab_file))
+        count = lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)  # noqa: E731
+        head.set_draft_vocab(*shared_draft_vocab(acc, out / "draft_vocab.safetensors", count, cfg.head.draft_vocab_size))
         if tc.feature_norm:
             if cfg.train.mode == "online":
                 b0 = pad_collate([ds[i] for i in range(min(16, len(ds)))])
@@ -594,6 +608,8 @@ def _gather_object(acc, obj):
 
 
 def cli(argv=None) -> int:
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     path, overrides = split_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_recipe(path, overrides)
     try:

@@ -197,3 +197,29 @@ def test_cli_trains_from_a_target_folder(tmp_path, capsys):
     assert list((tmp_path / "train").rglob("events.out.tfevents*"))  # tensorboard tracker wrote
     assert cli.main(["train", str(recipe), "train.max_steps=4"]) == 2  # offline without a dump
     assert "eagle-train dump" in capsys.readouterr().err
+
+
+def test_draft_vocab_barrier_is_entered_whether_or_not_the_file_exists(tmp_path):
+    """Every rank must reach the same collectives: a rank arriving after rank 0 wrote the vocabulary
+    still enters main_process_first (its barrier), and reads rank 0's file instead of recounting."""
+    import contextlib
+
+    class Acc:
+        entered = 0
+
+        @contextlib.contextmanager
+        def main_process_first(self):
+            Acc.entered += 1
+            yield
+
+    counted = []
+
+    def count():
+        counted.append(1)
+        return torch.arange(100, 0, -1).float()
+
+    path = tmp_path / "draft_vocab.safetensors"
+    d2t, t2d = train.shared_draft_vocab(Acc(), path, count, 10)  # rank 0: counts and writes
+    d2t_late, t2d_late = train.shared_draft_vocab(Acc(), path, count, 10)  # a late rank: file exists
+    assert Acc.entered == 2 and len(counted) == 1
+    assert torch.equal(d2t, d2t_late) and torch.equal(t2d, t2d_late) and int(t2d.sum()) == 10

@@ -3,10 +3,15 @@ the run finishes and both ranks hold identical parameters."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
+import pytest
 
 from conftest import ROOT, make_tiny_llama
 from test_train import synthetic
@@ -43,23 +48,30 @@ train:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # launch from a clean environment: earlier in-process tests (accelerate/DeepSpeed state) leave
-    # rank and launcher variables behind, and with them the 2-rank launch hung in the full suite
+    # rank and launcher variables behind, which the launched ranks must not inherit
     leaked = ("ACCELERATE_", "DEEPSPEED", "DS_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
               "MASTER_", "CROSS_", "LOCAL_SIZE", "GROUP_", "ROLE_", "TORCHELASTIC", "OMPI_", "PMI_", "CCL_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
     env = dict(clean, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                MASTER_PORT=str(port))
-    # Build DeepSpeed's CPU shm-allreduce op in one process first: when both ranks build it inside
-    # the launch (a fresh TORCH_EXTENSIONS_DIR, e.g. a clean CI clone) the ranks were seen to hang
-    # after "built successfully"; with the op already built the launch passes.
-    prebuild = ("from deepspeed.accelerator import get_accelerator; "
-                "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
-    subprocess.run([sys.executable, "-c", prebuild], env=env, check=True, capture_output=True, timeout=600)
     cmd = [str(accelerate), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
            str(ROOT / "eagle_train" / "train.py"), str(recipe)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        # a stuck rank: SIGUSR1 makes train.py print every thread's stack, so the failure says where
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if str(recipe) in " ".join(c.cmdline())]
+        for rank in ranks:
+            os.kill(rank.pid, signal.SIGUSR1)
+        time.sleep(3)
+        for rank in ranks:
+            rank.kill()
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"2-rank launch timed out after 300 s; rank stacks:\n{err[-12000:]}")
+    assert proc.returncode == 0, err[-4000:]
     assert (tmp_path / "train/checkpoint/pytorch_model").is_dir()  # a DeepSpeed (ZeRO) checkpoint, not DDP
     state = json.loads((tmp_path / "train/final/train_state.json").read_text())
     digests = state["rank_param_sha256"]
