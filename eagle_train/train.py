@@ -357,6 +357,7 @@ def save_checkpoint(acc, out, state):
         shutil.rmtree(tmp, ignore_errors=True)
     acc.wait_for_everyone()
     acc.save_state(str(tmp))
+    acc.wait_for_everyone()  # every rank's shard is in tmp before rank 0 moves it (a slow rank lost its folder)
     if acc.is_main_process:
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
         if ckpt.exists():
