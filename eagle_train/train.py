@@ -390,14 +390,18 @@ def evaluate(model, acc, ds, collate, prep, cfg):
     tc = cfg.train
     model.eval()
     sums, loss_sum, n_b = {}, 0.0, 0
-    idx = [list(range(i, min(i + tc.micro_batch_size, len(ds)))) for i in range(0, len(ds), tc.micro_batch_size)]
-    idx = idx[acc.process_index::acc.num_processes][:tc.eval_batches]
+    every = [list(range(i, min(i + tc.micro_batch_size, len(ds)))) for i in range(0, len(ds), tc.micro_batch_size)]
+    # every rank runs the same number of forwards (ZeRO-3 gathers weights inside them, and the stats
+    # tensor reduced below must have one length); a rank short of batches repeats one and drops it
+    n = min(tc.eval_batches, -(-len(every) // acc.num_processes))
+    mine = every[acc.process_index::acc.num_processes][:n]
     with torch.no_grad():
-        for i in idx:
-            loss, stats = model(prep(load_batch(ds, collate, i, acc.device)))
-            loss_sum, n_b = loss_sum + float(loss), n_b + 1
+        for j in range(n):
+            loss, stats = model(prep(load_batch(ds, collate, mine[j] if j < len(mine) else every[0], acc.device)))
+            w = int(j < len(mine))
+            loss_sum, n_b = loss_sum + w * float(loss), n_b + w
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v
+                sums[k] = sums.get(k, 0) + w * v
     model.train()
     keys = sorted(sums, key=lambda k: int(k.split("_")[1]))
     t = torch.tensor([loss_sum, n_b] + [x for k in keys for x in sums[k].tolist()], device=acc.device)
@@ -609,8 +613,6 @@ def _gather_object(acc, obj):
 
 
 def cli(argv=None) -> int:
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     path, overrides = split_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_recipe(path, overrides)
     try:
@@ -618,9 +620,16 @@ def cli(argv=None) -> int:
     except TrainingDiverged as err:
         print(f"eagle-train train: {err}", file=sys.stderr)
         return 1
+    finally:
+        # tear the process group down before exit: a rank leaving with live gloo connections can
+        # abort its peer's background thread at interpreter shutdown
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     sys.exit(cli())
