@@ -23,7 +23,7 @@ the concatenation. Memory per step is O(L^2 + L*s), so the unroll grows linearly
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import faulthandler
 import hashlib
 import json
@@ -331,16 +331,32 @@ def make_accelerator(cfg, out):
             import deepspeed.ops
 
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+        if tc.zero_stage == 3:  # the final head is gathered from the partitions on rank 0
+            ds["zero_optimization"].setdefault("stage3_gather_16bit_weights_on_model_save", True)
+        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED"):
         # launched with --use_deepspeed but one process (or engine ddp/none): run without DeepSpeed.
         # Only override what the launcher set, so in-process callers' environments stay untouched.
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if multi and not cuda and "deepspeed_plugin" not in kw:
+        kw["cpu"] = True  # accelerate forms a CPU (gloo) process group for DDP only when told it is on CPU
     if tc.tracker != "none":
         if tc.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
         kw.update(log_with=tc.tracker, project_dir=str(out))
-    return Accelerator(**kw)
+    acc = Accelerator(**kw)
+    if multi and acc.num_processes != int(os.environ["WORLD_SIZE"]):
+        # independent single-process runs would overwrite each other's checkpoints in one folder
+        raise RuntimeError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed "
+                           f"{acc.num_processes} process(es); check the accelerate launch flags")
+    if "deepspeed_plugin" in kw and tc.zero_stage == 3:
+        # Accelerator registers its ZeRO-3 config with transformers, whose from_pretrained would then
+        # partition the frozen target at load; every rank needs all of it for its own forward. ZeRO-3
+        # partitions only what deepspeed.initialize is given: the trained head.
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return acc
 
 
 def merge(a, b):
@@ -543,16 +559,22 @@ def main(cfg, target=None, stop_after=None):
 
     # final head: gather (ZeRO-3 safe), fold the feature scale into fc, save with metrics
     state = acc.get_state_dict(model)
-    digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes()
-                                     for p in acc.unwrap_model(model).parameters())).hexdigest()
-    digests = _gather_object(acc, digest)
+    named = list(acc.unwrap_model(model).named_parameters())
+    with _gathered([p for _, p in named], deepspeed and tc.zero_stage == 3):
+        digests = _gather_object(acc, _sha256(p for _, p in named))
     final = out / "final"
     if acc.is_main_process:
-        head_out = copy.deepcopy(acc.unwrap_model(model).head).cpu().float()
-        head_out.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}, strict=False)
+        head_out = build_head(cfg.head, tconf).float()  # not a copy of `head`: under ZeRO-3 it holds a partition
+        if kind == "eagle3":
+            head_out.set_draft_vocab(head.d2t.cpu(), head.t2d.cpu())
+        missing, unexpected = head_out.load_state_dict(
+            {k[len("head."):]: v.float().cpu() for k, v in state.items() if k.startswith("head.")}, strict=False)
+        assert not unexpected and not [k for k in missing if k in dict(head_out.named_parameters())], missing
         if feature_scale is not None:
             head_out.fc.weight.data /= feature_scale
-        info = {"step": step, "metrics": metrics, "rank_param_sha256": digests, "target": cfg.target.model,
+        # the saved weights are what the ranks trained: same digest as their (gathered) parameters
+        info = {"step": step, "metrics": metrics, "rank_param_sha256": digests,
+                "saved_param_sha256": _sha256(state[k] for k, _ in named), "target": cfg.target.model,
                 "train": {"mode": tc.mode, "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm}}
         save_head(head_out, final, extra={"train_state": info})
@@ -604,6 +626,19 @@ def _flat(d, prefix=""):
         else:
             out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
+
+
+def _sha256(tensors) -> str:
+    return hashlib.sha256(b"".join(t.detach().float().cpu().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def _gathered(params, zero3: bool):
+    """Full parameters on every rank for the block (ZeRO-3 keeps only a partition per rank)."""
+    if not zero3:
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(params)
 
 
 def _gather_object(acc, obj):

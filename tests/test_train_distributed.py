@@ -1,5 +1,6 @@
-"""`accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 eagle_train/train.py` on CPU:
-the run finishes and both ranks hold identical parameters."""
+"""`accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 eagle_train/train.py` on CPU
+(and ZeRO-3, and plain DDP): the run finishes, both ranks hold identical parameters, and the saved
+head is the trained one."""
 
 import json
 import os
@@ -12,14 +13,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from conftest import ROOT, make_tiny_llama
 from test_train import synthetic
 
 from eagle_train import train
+from eagle_train.heads import load_head
 
 
-def test_deepspeed_zero2_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("engine,stage", [("deepspeed", 2), ("deepspeed", 3), ("ddp", 0)])
+def test_two_cpu_processes(tmp_path, engine, stage):
     target_dir = tmp_path / "target"
     make_tiny_llama(vocab_size=128, layers=4).save_pretrained(target_dir)
     train.write_corpus(synthetic(n=32), tmp_path / "data")
@@ -33,7 +37,8 @@ head:
   draft_vocab_size: 64
 train:
   mode: online
-  engine: deepspeed
+  engine: {engine}
+  zero_stage: {stage or 2}
   max_steps: 6
   warmup_steps: 2
   micro_batch_size: 2
@@ -54,8 +59,8 @@ train:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
     env = dict(clean, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                MASTER_PORT=str(port))
-    cmd = [str(accelerate), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
+    launcher = ["--use_deepspeed", "--zero_stage", str(stage)] if engine == "deepspeed" else ["--multi_gpu"]
+    cmd = [str(accelerate), "launch", *launcher, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
            str(ROOT / "eagle_train" / "train.py"), str(recipe)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -72,8 +77,16 @@ train:
         out, err = proc.communicate()
         pytest.fail(f"2-rank launch timed out after 300 s; rank stacks:\n{err[-12000:]}")
     assert proc.returncode == 0, err[-4000:]
-    assert (tmp_path / "train/checkpoint/pytorch_model").is_dir()  # a DeepSpeed (ZeRO) checkpoint, not DDP
+    ckpt = tmp_path / "train/checkpoint"
+    if engine == "deepspeed":
+        assert (ckpt / "pytorch_model").is_dir()  # a DeepSpeed (ZeRO) checkpoint, not DDP
+    else:
+        assert (ckpt / "model.safetensors").is_file()
+    assert (ckpt / "train_state.json").is_file()
     state = json.loads((tmp_path / "train/final/train_state.json").read_text())
     digests = state["rank_param_sha256"]
     assert state["step"] == 6 and len(digests) == 2 and digests[0] == digests[1]
-    assert (tmp_path / "train/checkpoint/train_state.json").is_file()
+    # the saved head holds the trained weights (gathered whole under ZeRO-3), and it loads
+    assert state["saved_param_sha256"] == digests[0]
+    head = load_head(tmp_path / "train/final")
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in head.parameters())
