@@ -177,7 +177,7 @@ def test_smollm2_fp32_bf16_fp8(tmp_path, smollm2):
     assert man["bytes"] / man["num_tokens"] <= 4 * 576  # lean goal: <= 4*H bytes per token
 
 
-def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, monkeypatch, capfd):
+def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, capfd):
     model, mdir = tiny_dir
     samples = random_samples(40, seed=3, lo=20, hi=40)  # ~1 KiB/token in fp32 -> ~5 shards of 0.25 MiB
     write_corpus(tmp_path / "data", samples)
@@ -186,14 +186,17 @@ def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, monkeypatch, cap
     ref = by_id(tmp_path / "ref")
     assert len(json.loads((tmp_path / "ref" / "manifest.json").read_text())["shards"]) >= 3
 
-    def kill(folder, rec):
-        raise KeyboardInterrupt("killed after the first shard")
-    monkeypatch.setattr(dump, "on_shard_written", kill)
+    # a real kill: a dump process SIGKILLs itself once its first shard and record are on disk (no
+    # Python cleanup runs, like an OOM kill or a preempted node)
     out = tmp_path / "dump"
+    overrides = [f"target.model={mdir}", "target.device=cpu", "data.source=unused", f"output_dir={tmp_path}", *args]
+    driver = ("import os, signal, sys; from data_prep import dump; "
+              "dump.on_shard_written = lambda folder, rec: os.kill(os.getpid(), signal.SIGKILL); "
+              "dump.cli(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", driver, *overrides], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
     cfg = recipe(tmp_path, mdir, *args)
-    with pytest.raises(KeyboardInterrupt):
-        dump.main(cfg, model)
-    monkeypatch.setattr(dump, "on_shard_written", None)
     assert len(list(out.glob("shard-*.safetensors"))) == 1
     with pytest.raises(FileNotFoundError, match="incomplete"):
         FeatureDataset(out)
