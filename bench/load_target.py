@@ -76,15 +76,17 @@ def main() -> int:
             f"{imports:.2f} s on top; {os.cpu_count()} CPUs, load average {load_avg:.1f}, "
             f"Python {platform.python_version()}")
     print(line)
-    if not args.no_record:
+    if not args.no_record:  # newest first under "## Target loading"; earlier results stay as they were
         results = ROOT / "bench" / "RESULTS.md"
-        text = results.read_text() if results.exists() else ""
-        headings = [ln for ln in text.splitlines() if ln.startswith("## ")]
-        block = "# eagle-train benchmarks\n" if not text else ("" if text.endswith("\n") else "\n")
-        if not headings or headings[-1].strip() != "## Target loading":
-            block += "\n## Target loading\n\n"
-        with open(results, "a") as f:  # append only: earlier results stay as they were
-            f.write(block + line + "\n")
+        text = results.read_text() if results.exists() else "# eagle-train benchmarks\n"
+        head = "## Target loading\n\n"
+        if head in text:
+            text = text.replace(head, head + line + "\n\n", 1)
+        else:
+            text = text.rstrip("\n") + "\n\n" + head + line + "\n"
+        tmp = results.with_suffix(".md.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, results)
     return 0 if median < 5 else 1
 
 
