@@ -1,0 +1,102 @@
+"""What verifying a tree costs the target on this machine: one pass over n tokens vs a one-token pass.
+
+    python bench/verify_cost.py [--model smollm2-135m-instruct] [--context 200] [--threads 1 2] [--record]
+
+After a `--context`-token prefill, times (median of 11) a cached pass over n = 1, 2, 4, 8, 12, 16
+tokens, the shape of a verification pass over a tree of n - 1 drafted nodes. The ratio
+pass(n) / pass(1) is the price of a tree of that size: speculative decoding gains only where
+tau / (ratio + draft cost) > 1, so this table is what `eagle-train sweep` trades against tau.
+Also splits out the target's lm_head (a vocab x hidden matmul) at the same n, the part whose
+cost grows most with n on a CPU. `--record` adds the table to bench/RESULTS.md under
+`## Verification cost`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = (1, 2, 4, 8, 12, 16)
+
+
+def median_ms(fn, reps=11):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    from omegaconf import OmegaConf
+    from transformers import DynamicCache
+
+    from eagle_train.decoding import commit_cache
+    from eagle_train.recipe import TargetConfig
+    from eagle_train.target import load_target
+
+    model, _ = load_target(OmegaConf.structured(TargetConfig(model=args.model, device="cpu")), with_tokenizer=False)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, args.context), generator=g)
+    head_w = model.get_output_embeddings().weight
+    keep_none = torch.zeros(0, dtype=torch.long)
+    rows = []
+    with torch.no_grad():
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            cache = DynamicCache()
+            model(input_ids=prefix, cache=cache, use_cache=True)
+
+            def one_pass(n):
+                x = torch.randint(0, vocab, (1, n), generator=g)
+                model(input_ids=x, cache=cache, use_cache=True)
+                commit_cache(cache, args.context, keep_none)  # back to the prefix: same cache length each pass
+
+            for n in SIZES:
+                one_pass(n)  # warm-up for this shape
+            passes = {n: median_ms(lambda: one_pass(n)) for n in SIZES}
+            heads = {}
+            for n in SIZES:
+                h = torch.randn(n, head_w.shape[1])
+                heads[n] = median_ms(lambda: torch.nn.functional.linear(h, head_w))
+            for n in SIZES:
+                rows.append((threads, n, passes[n], passes[n] / passes[1], heads[n]))
+                print(f"threads {threads}  n={n:2d}: pass {passes[n]:6.1f} ms  ({passes[n] / passes[1]:.2f}x)  "
+                      f"lm_head {heads[n]:5.1f} ms", flush=True)
+    table = [f"`python bench/verify_cost.py` ({time.strftime('%Y-%m-%d')}): {args.model}, fp32, "
+             f"{args.context}-token cached prefix, median of 11; torch {torch.__version__}, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}.", "",
+             "| threads | tokens in pass (n) | pass ms | vs n=1 | lm_head ms |", "|---|---|---|---|---|"]
+    table += [f"| {t} | {n} | {ms:.1f} | {r:.2f}x | {lm:.1f} |" for t, n, ms, r, lm in rows]
+    print("\n".join(table))
+    if args.record:
+        results = ROOT / "bench" / "RESULTS.md"
+        text = results.read_text()
+        head = "## Verification cost\n\n"
+        block = "\n".join(table) + "\n\n"
+        text = text.replace(head, head + block, 1) if head in text else text.rstrip("\n") + "\n\n" + head + block
+        tmp = results.with_suffix(".md.tmp")
+        tmp.write_text(text.rstrip("\n") + "\n")
+        os.replace(tmp, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
