@@ -457,8 +457,10 @@ def main(cfg, target=None, stop_after=None):
         head.lm_head.weight.data.copy_(lm_head_w.float())
     feature_scale = None
     if kind == "eagle3":
-        count = lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)  # noqa: E731
-        head.set_draft_vocab(*shared_draft_vocab(acc, out / "draft_vocab.safetensors", count, cfg.head.draft_vocab_size))
+        d2t, t2d = shared_draft_vocab(acc, out / "draft_vocab.safetensors",
+                                      lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size),
+                                      cfg.head.draft_vocab_size)
+        head.set_draft_vocab(d2t, t2d)
         if tc.feature_norm:
             if cfg.train.mode == "online":
                 b0 = pad_collate([ds[i] for i in range(min(16, len(ds)))])

@@ -60,7 +60,8 @@ train:
     env = dict(clean, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                MASTER_PORT=str(port))
     launcher = ["--use_deepspeed", "--zero_stage", str(stage)] if engine == "deepspeed" else ["--multi_gpu"]
-    cmd = [str(accelerate), "launch", *launcher, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
+    cmd = [str(accelerate), "launch", *launcher, "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
            str(ROOT / "eagle_train" / "train.py"), str(recipe)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
