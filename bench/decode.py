@@ -24,6 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from record import record  # noqa: E402  (bench/record.py)
+
 from eagle_train.decoding import SpecConfig, speculative_generate, timed, vanilla_generate  # noqa: E402
 from eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 
@@ -124,7 +126,6 @@ def main():
     if args.record:
         head_note = f"; trained head {args.head}" if args.head else "; no trained SmolLM2 head was available"
         text = "\n".join([
-            "", "## Decoding", "",
             f"`python bench/decode.py --prompts {args.prompts} --max-new-tokens {args.max_new_tokens}"
             f"{' --head ' + args.head if args.head else ''}` ({time.strftime('%Y-%m-%d')}): SmolLM2-135M-Instruct fp32, "
             f"greedy, first turns of {len(items)} MT-bench prompts, {platform.processor() or 'CPU'} with 1 thread "
@@ -132,8 +133,7 @@ def main():
             "`generate`. random = untrained EAGLE-3 head (the overhead of drafting + verification), oracle = "
             "drafts the target's own greedy tokens (the ceiling of each tree on this machine), oracle70 = the "
             "oracle ranks a wrong token first 30% of the time.", "", *table, ""])
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write(text)
+        record("Decoding", text)
 
 
 if __name__ == "__main__":

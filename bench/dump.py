@@ -26,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from record import record  # noqa: E402  (bench/record.py)
 SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt" / "sharegpt_v3_salvaged.jsonl.gz"
 MODES = [("full", "bfloat16"), ("topk", "bfloat16"), ("topk", "float8"), ("full", "float8")]
 
@@ -145,9 +147,8 @@ def main():
     text = "\n".join(lines)
     print(text)
     if args.record:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write(f"\n## Dump\n\n`python bench/dump.py {' '.join(sys.argv[1:])}` on {platform.node() or 'this machine'}, "
-                    f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}\n\n{text}\n")
+        record("Dump", f"`python bench/dump.py {' '.join(sys.argv[1:])}` on {platform.node() or 'this machine'}, "
+                       f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 The first run converts the GGUF once if the cache is missing (reported separately, not timed as a
 load). Then each load runs in a fresh process, so it pays what a stage pays: transformers' lazy
-imports, tokenizer, weights. Goal: < 5 s. The result is appended to bench/RESULTS.md under
+imports, tokenizer, weights. Goal: < 5 s. The result is filed in bench/RESULTS.md, newest first under
 `## Target loading`.
 """
 
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from record import record  # bench/record.py
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python bench/load_target.py"
@@ -76,17 +78,8 @@ def main() -> int:
             f"{imports:.2f} s on top; {os.cpu_count()} CPUs, load average {load_avg:.1f}, "
             f"Python {platform.python_version()}")
     print(line)
-    if not args.no_record:  # newest first under "## Target loading"; earlier results stay as they were
-        results = ROOT / "bench" / "RESULTS.md"
-        text = results.read_text() if results.exists() else "# eagle-train benchmarks\n"
-        head = "## Target loading\n\n"
-        if head in text:
-            text = text.replace(head, head + line + "\n\n", 1)
-        else:
-            text = text.rstrip("\n") + "\n\n" + head + line + "\n"
-        tmp = results.with_suffix(".md.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, results)
+    if not args.no_record:
+        record("Target loading", line)
     return 0 if median < 5 else 1
 
 

@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from record import record  # noqa: E402  (bench/record.py)
+
 
 def features(L, B):
     from omegaconf import OmegaConf
@@ -127,12 +129,11 @@ def main():
     text = "\n".join(lines + [""] + [f"- {c}" for c in checks])
     print(text)
     if a.record:
-        head = (f"\n## Training\n\n`python bench/train.py` on {platform.node() and 'the dev box'} "
+        head = (f"`python bench/train.py` on {platform.node() and 'the dev box'} "
                 f"({torch.get_num_threads()} threads, torch {torch.__version__}, CPU, fp32), EAGLE-3 head for "
                 f"SmolLM2-135M-Instruct (draft vocab 8192), real ShareGPT features, "
                 f"{time.strftime('%Y-%m-%d')}:\n\n")
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write(head + text + "\n")
+        record("Training", head + text)
 
 
 if __name__ == "__main__":

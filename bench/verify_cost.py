@@ -25,6 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from record import record  # noqa: E402  (bench/record.py)
+
 SIZES = (1, 2, 4, 8, 12, 16)
 
 
@@ -87,14 +89,7 @@ def main():
     table += [f"| {t} | {n} | {ms:.1f} | {r:.2f}x | {lm:.1f} |" for t, n, ms, r, lm in rows]
     print("\n".join(table))
     if args.record:
-        results = ROOT / "bench" / "RESULTS.md"
-        text = results.read_text()
-        head = "## Verification cost\n\n"
-        block = "\n".join(table) + "\n\n"
-        text = text.replace(head, head + block, 1) if head in text else text.rstrip("\n") + "\n\n" + head + block
-        tmp = results.with_suffix(".md.tmp")
-        tmp.write_text(text.rstrip("\n") + "\n")
-        os.replace(tmp, results)
+        record("Verification cost", "\n".join(table))
     return 0
 
 
