@@ -42,9 +42,12 @@ def random_samples(n, seed=0, vocab=512, lo=5, hi=60, prefix="s"):
     return out
 
 
+def overrides(tmp: Path, model_dir, *extra):
+    return [f"target.model={model_dir}", "target.device=cpu", "data.source=unused", f"output_dir={tmp}", *extra]
+
+
 def recipe(tmp: Path, model_dir, *extra):
-    return load_recipe(None, [f"target.model={model_dir}", "target.device=cpu", "data.source=unused",
-                              f"output_dir={tmp}", *extra])
+    return load_recipe(None, overrides(tmp, model_dir, *extra))
 
 
 def solo_hidden(model, ids, layers):
@@ -189,12 +192,12 @@ def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, capfd):
     # a real kill: a dump process SIGKILLs itself once its first shard and record are on disk (no
     # Python cleanup runs, like an OOM kill or a preempted node)
     out = tmp_path / "dump"
-    overrides = [f"target.model={mdir}", "target.device=cpu", "data.source=unused", f"output_dir={tmp_path}", *args]
     driver = ("import os, signal, sys; from data_prep import dump; "
               "dump.on_shard_written = lambda folder, rec: os.kill(os.getpid(), signal.SIGKILL); "
               "dump.cli(sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-c", driver, *overrides], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", driver, *overrides(tmp_path, mdir, *args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == -9, proc.stderr[-3000:]
     cfg = recipe(tmp_path, mdir, *args)
     assert len(list(out.glob("shard-*.safetensors"))) == 1
