@@ -62,14 +62,18 @@ def report_markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _grouped_bars(ax, results, values) -> None:
+    """One bar series per result (temperature), side by side at x = 0, 1, ...; values(r) -> heights."""
+    width = 0.8 / max(1, len(results))
+    for k, r in enumerate(results):
+        ys = values(r)
+        ax.bar([i + k * width for i in range(len(ys))], ys, width=width, label=_label(r))
+
+
 def plot_report(rep: dict, out: Path) -> None:
     results = rep["results"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(1, len(results))
-    for k, r in enumerate(results):
-        total = max(1, sum(r["accept_hist"]))
-        xs = [i + k * width for i in range(len(r["accept_hist"]))]
-        ax.bar(xs, [n / total for n in r["accept_hist"]], width=width, label=_label(r))
+    _grouped_bars(ax, results, lambda r: [n / max(1, sum(r["accept_hist"])) for n in r["accept_hist"]])
     ax.set_xlabel("accepted drafted tokens per target pass")
     ax.set_ylabel("fraction of target passes")
     ax.set_title("Accepted length histogram")
@@ -78,9 +82,7 @@ def plot_report(rep: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     cats = sorted({c for r in results for c in r["per_category"]})
-    for k, r in enumerate(results):
-        xs = [i + k * width for i in range(len(cats))]
-        ax.bar(xs, [r["per_category"].get(c, {}).get("tau", 0.0) for c in cats], width=width, label=_label(r))
+    _grouped_bars(ax, results, lambda r: [r["per_category"].get(c, {}).get("tau", 0.0) for c in cats])
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     ax.set_xlabel("category")
     ax.set_ylabel("tau (tokens per target pass)")
