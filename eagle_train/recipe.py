@@ -165,14 +165,21 @@ class TrainConfig:
 class EvalConfig:
     # trained head: a training output folder, an exported folder, or a hub id
     head: str = "${output_dir}/train/final"
-    # benchmark files in MT-bench format (`turns`) or plain prompt lists (.txt / jsonl with `prompt`)
+    # benchmark names (mt_bench, humaneval, gsm8k, alpaca, sum, qa) or files in MT-bench format
+    # (`turns`) or plain prompt lists (.txt / .jsonl / .jsonl.gz with `prompt`)
     benchmarks: List[str] = field(default_factory=lambda: ["mt_bench"])
+    # folder holding <name>/question.jsonl for names no installed package ships (None: packages only)
+    benchmark_dir: Optional[str] = None
     # prompts per benchmark (None: all)
     max_prompts: Optional[int] = None
     max_new_tokens: int = 256
     # temperatures to evaluate (0 = greedy)
     temperatures: List[float] = field(default_factory=lambda: [0.0])
     top_p: float = 1.0
+    # sample from the top_k most likely tokens only (0: off); applied before top_p, as in transformers
+    top_k: int = 0
+    # baseline drafter in the same report: transformers' prompt lookup with these draft lengths ([]: off)
+    prompt_lookup_num_tokens: List[int] = field(default_factory=lambda: [3, 10])
     # dynamic (EAGLE-2), chain (vLLM), static (paths in `static_tree`)
     tree: str = "dynamic"
     # EAGLE-2: children expanded per node (SGLang --speculative-eagle-topk)
@@ -197,8 +204,10 @@ class HubConfig:
     export_dir: str = "${output_dir}/export"
     # Hugging Face repo to push to, e.g. me/SmolLM2-135M-Instruct-EAGLE3
     repo_id: Optional[str] = None
-    # create the repo private (same as `push --private`)
-    private: bool = False
+    # create the repo private (same as `push --private`); None: the account's or organisation's default
+    private: Optional[bool] = None
+    # delete files in the hub repo that the export no longer has (same as `push --delete-stale`)
+    delete_stale: bool = False
     # branch to push to, created when missing (None: main; same as `push --revision R`)
     revision: Optional[str] = None
     # list what would be uploaded and stop (same as `push --dry-run`)
