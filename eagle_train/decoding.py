@@ -14,7 +14,9 @@ Conventions (SGLang names in brackets):
     num_draft_tokens  drafted nodes verified per step, root EXCLUDED    [--speculative-num-draft-tokens
                       counts the root: SGLang's value = ours + 1]
     chain             topk 1, `depth` tokens (vLLM --num-speculative-tokens = depth)
-    tau               mean over target passes of (accepted drafted tokens + 1 bonus token)
+    tau               tokens emitted per target pass = mean of (accepted drafted tokens + 1 bonus
+                      token), counting only tokens kept after the EOS / budget cut; the prefill
+                      pass (which emits the first token and drafts nothing) is not counted
 
 Invariant between steps: the target cache and the head cache both hold the C committed tokens
 (positions 0..C-1). The root (position C) is emitted but not yet in the target cache; the head
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 
 @dataclass
@@ -46,6 +48,7 @@ class SpecConfig:
     static_tree: Optional[List[List[int]]] = None  # paths of child ranks, e.g. [[0], [1], [0, 0]]
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     max_new_tokens: int = 256
 
     @classmethod
@@ -53,7 +56,8 @@ class SpecConfig:
         """From the recipe's `eval` section (plus overrides such as a sweep's topk/depth)."""
         kw = dict(tree=ecfg.tree, topk=ecfg.topk, depth=ecfg.depth, num_draft_tokens=ecfg.num_draft_tokens,
                   static_tree=[list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
-                  temperature=float(temperature), top_p=ecfg.top_p, max_new_tokens=ecfg.max_new_tokens)
+                  temperature=float(temperature), top_p=ecfg.top_p, top_k=ecfg.top_k,
+                  max_new_tokens=ecfg.max_new_tokens)
         kw.update(over)
         return cls(**kw)
 
@@ -85,10 +89,15 @@ class Tree:
 # probabilities and the acceptance rule
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-p nucleus and renormalised (the vanilla sampler
-    and the speculative one both draw from exactly this p)."""
-    p = torch.softmax(logits.float() / temperature, dim=-1)
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """softmax(logits / T), restricted to the top_k tokens, then to the top-p nucleus of what is
+    left, renormalised: the order of transformers' temperature -> top-k -> top-p warpers, so the
+    speculative sampler draws from the same p as `generate(do_sample=True)`."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         sp, idx = p.sort(descending=True)
         drop = sp.cumsum(-1) - sp >= top_p  # keep the smallest prefix whose mass reaches top_p
@@ -161,6 +170,18 @@ def static_paths(cfg: SpecConfig) -> List[List[int]]:
         if len(p) > 1 and p[:-1] not in have:
             raise ValueError(f"eval.static_tree: path {list(p)} has no parent path {list(p[:-1])} in the tree")
     return [list(p) for p in paths]
+
+
+def max_tree_nodes(cfg: SpecConfig) -> int:
+    """The most drafted nodes (root excluded) a step can verify: a chain or static tree has its own
+    size; the EAGLE-2 dynamic tree draws topk children at depth 1 and topk * topk at each later
+    depth, and `num_draft_tokens` keeps at most that many (SGLang reranks the same candidate set).
+    The sweep grid and the model card's serving flags both use this one function."""
+    if cfg.tree == "chain":
+        return cfg.depth
+    if cfg.tree == "static":
+        return len(static_paths(cfg))
+    return min(cfg.num_draft_tokens, cfg.topk + (cfg.depth - 1) * cfg.topk * cfg.topk)
 
 
 def _head_step(head, hkv, C, outs, slots, nodes, tree):
@@ -313,14 +334,14 @@ def accept_greedy(logits: torch.Tensor, tree: Tree):
 
 
 def accept_sample(logits: torch.Tensor, tree: Tree, temperature: float, top_p: float,
-                  generator: torch.Generator, rule: AcceptRule = rejection_rule):
-    """At each node test its children in order with `rule` against the target's p (temperature
-    and top-p applied); the first accepted child becomes the node; if all are rejected the bonus
-    token is drawn from the residual."""
+                  generator: torch.Generator, rule: AcceptRule = rejection_rule, top_k: int = 0):
+    """At each node test its children in order with `rule` against the target's p (temperature,
+    top-k and top-p applied); the first accepted child becomes the node; if all are rejected the
+    bonus token is drawn from the residual."""
     kids = tree.children()
     path = [0]
     while True:
-        p = target_probs(logits[path[-1]], temperature, top_p)
+        p = target_probs(logits[path[-1]], temperature, top_p, top_k)
         for c in kids[path[-1]]:
             ok, p = rule(p, tree.qs[c], tree.tokens[c], generator)
             if ok:
@@ -354,6 +375,36 @@ def head_update(head, hkv, C: int, ids: List[int], feats: torch.Tensor):
 # generation loops
 
 
+ATTENTION_OK = ("sdpa", "eager")  # kernels that honour an arbitrary 4D (tree) mask
+
+
+def sliding_window(config) -> Optional[int]:
+    """The target's attention window when some layer slides, else None."""
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return window
+    return window if window and getattr(config, "use_sliding_window", True) else None
+
+
+def check_supported(model, input_ids: torch.Tensor, cfg: SpecConfig) -> None:
+    """Refuse set-ups that would decode silently wrong: a batch (only row 0 would be decoded), a
+    flash kernel (ignores the tree mask) and a sliding window the sequence can outgrow (the
+    tree mask and `commit_cache` assume every position stays visible)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one sequence at a time (input_ids of shape (1, L)), got "
+                         f"{tuple(input_ids.shape)}; batch > 1 is not supported: loop over the prompts")
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ATTENTION_OK:
+        raise ValueError(f"target attn_implementation = {impl!r} ignores the tree attention mask; load the target "
+                         f"with one of {', '.join(ATTENTION_OK)} (target.attn_implementation=sdpa)")
+    window = sliding_window(model.config)
+    need = input_ids.shape[-1] + cfg.max_new_tokens + max_tree_nodes(cfg) + 1
+    if window is not None and need > window:
+        raise ValueError(f"the target uses sliding-window attention (window {window}) and this generation can reach "
+                         f"{need} positions; tree verification assumes full attention and is not supported past "
+                         f"the window: lower the prompt length or eval.max_new_tokens")
+
+
 def _finish(new: List[int], budget: int, eos: Optional[int]):
     """Truncate at EOS (kept, like generate) and at the token budget; returns (tokens, done)."""
     if eos is not None and eos in new:
@@ -366,7 +417,10 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
                          eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
                          accept_rule: AcceptRule = rejection_rule):
     """Generate up to cfg.max_new_tokens after input_ids (1, L). Returns (new token ids, stats) with
-    stats = {accept_lengths: accepted drafted tokens per target pass, passes, tree_sizes}."""
+    stats = {accept_lengths: tokens kept from each target pass minus 1 (accepted drafted tokens;
+    a pass cut by EOS or the budget counts only what it kept), passes, tree_sizes, t_draft (head:
+    drafting and updating on the accepted path), t_verify (target tree pass, acceptance, cache)}."""
+    check_supported(model, input_ids, cfg)
     dev = model.device
     greedy = cfg.temperature == 0
     if generator is None:
@@ -375,59 +429,101 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     cache = DynamicCache()
     ids = input_ids.to(dev)
     logits, feats = target_forward(model, ids, cache, aux)
-    root = int(logits[-1].argmax()) if greedy else sample(target_probs(logits[-1], cfg.temperature, cfg.top_p), generator)
+    root = (int(logits[-1].argmax()) if greedy
+            else sample(target_probs(logits[-1], cfg.temperature, cfg.top_p, cfg.top_k), generator))
     tokens, done = _finish([root], cfg.max_new_tokens, eos_token_id)
-    stats = {"accept_lengths": [], "passes": 0, "tree_sizes": []}
+    stats = {"accept_lengths": [], "passes": 0, "tree_sizes": [], "t_draft": 0.0, "t_verify": 0.0}
     if done:
         return tokens, stats
     C = ids.shape[1]
+    t0 = _clock()
     last_out, last_logp, hkv = head_update(head, None, 0, ids[0, 1:].tolist() + [root], feats)
     while True:
         tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
+        t1 = _clock()
         logits, feats = verify(model, cache, tree, C, aux)
         if greedy:
             path, bonus = accept_greedy(logits, tree)
         else:
-            path, bonus = accept_sample(logits, tree, cfg.temperature, cfg.top_p, generator, accept_rule)
-        stats["passes"] += 1
-        stats["accept_lengths"].append(len(path) - 1)
-        stats["tree_sizes"].append(len(tree.tokens) - 1)
+            path, bonus = accept_sample(logits, tree, cfg.temperature, cfg.top_p, generator, accept_rule, cfg.top_k)
         new = [tree.tokens[i] for i in path[1:]] + [bonus]
         new, done = _finish(new, cfg.max_new_tokens - len(tokens), eos_token_id)
+        # tau counts what the user gets: tokens cut at EOS / the budget were not accepted
+        stats["passes"] += 1
+        stats["accept_lengths"].append(len(new) - 1)
+        stats["tree_sizes"].append(len(tree.tokens) - 1)
         tokens += new
         if done:
+            stats["t_draft"] += t1 - t0
+            stats["t_verify"] += _clock() - t1
             return tokens, stats
         keep = torch.tensor(path, device=dev)
         commit_cache(cache, C, keep)
         hkv = (hkv[0][:, :, :C], hkv[1][:, :, :C])
+        t2 = _clock()
+        stats["t_draft"] += t1 - t0
+        stats["t_verify"] += t2 - t1
+        t0 = t2
         last_out, last_logp, hkv = head_update(head, hkv, C, new, feats[keep])
         C += len(path)
         root = bonus
 
 
+def plain_generation_config(max_new_tokens: int, eos_token_id: Optional[int], temperature: float = 0.0,
+                            top_p: float = 1.0, top_k: int = 0, **extra) -> GenerationConfig:
+    """An explicit config for `generate` with every logits processor off except the sampler's own
+    temperature / top-k / top-p: a model's generation_config.json may carry repetition_penalty,
+    no_repeat_ngram_size, bad words, ..., which `generate` applies even when greedy, while the
+    speculative path is plain argmax (or plain sampling from `target_probs`). A fresh
+    GenerationConfig has them all off; passing it replaces the model's."""
+    sampled = temperature > 0
+    return GenerationConfig(
+        do_sample=sampled, max_new_tokens=max_new_tokens, min_new_tokens=0,
+        temperature=float(temperature) if sampled else None, top_p=top_p if sampled else None,
+        top_k=top_k if sampled else None, repetition_penalty=1.0, no_repeat_ngram_size=0,
+        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0, **extra)
+
+
 @torch.no_grad()
 def vanilla_generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                     top_p: float = 1.0, eos_token_id: Optional[int] = None,
-                     generator: Optional[torch.Generator] = None) -> List[int]:
-    """The baseline: `generate` greedy at T=0, else one-token steps drawing from `target_probs`."""
-    dev = model.device
-    ids = input_ids.to(dev)
-    if temperature == 0:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             pad_token_id=eos_token_id if eos_token_id is not None else 0)
-        new = out[0, ids.shape[1]:].tolist()
-        return _finish(new, max_new_tokens, eos_token_id)[0]
-    if generator is None:
-        generator = torch.Generator(device=dev).manual_seed(0)
-    cache, tokens = DynamicCache(), []
-    while True:
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-        tokens.append(sample(target_probs(logits, temperature, top_p), generator))
-        tokens, done = _finish(tokens, max_new_tokens, eos_token_id)
-        if done:
-            return tokens
-        ids = torch.tensor([[tokens[-1]]], device=dev)
+                     top_p: float = 1.0, eos_token_id: Optional[int] = None, top_k: int = 0,
+                     seed: Optional[int] = None) -> List[int]:
+    """The baseline, one loop at every temperature: `generate` with `plain_generation_config`
+    (argmax at T=0, else sampling with the same temperature / top-k / top-p). `generate` samples
+    from the global RNG, seeded here with `seed`."""
+    ids = input_ids.to(model.device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    gcfg = plain_generation_config(max_new_tokens, eos_token_id, temperature, top_p, top_k)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
+    return _finish(out[0, ids.shape[1]:].tolist(), max_new_tokens, eos_token_id)[0]
+
+
+@torch.no_grad()
+def prompt_lookup_generate(model, input_ids: torch.Tensor, max_new_tokens: int, num_tokens: int,
+                           temperature: float = 0.0, top_p: float = 1.0, eos_token_id: Optional[int] = None,
+                           top_k: int = 0, seed: Optional[int] = None):
+    """transformers' prompt lookup decoding (n-gram drafts copied from the context, verified by the
+    target), counting target forward passes. Returns (tokens, passes). Its first pass is the
+    prefill and already verifies a draft, so every pass counts: tau = tokens / passes."""
+    ids = input_ids.to(model.device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    calls = [0]
+    hook = model.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
+    try:
+        gcfg = plain_generation_config(max_new_tokens, eos_token_id, temperature, top_p, top_k,
+                                       prompt_lookup_num_tokens=num_tokens)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
+    finally:
+        hook.remove()
+    return _finish(out[0, ids.shape[1]:].tolist(), max_new_tokens, eos_token_id)[0], calls[0]
+
+
+def _clock() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def timed(fn, *args, **kw):

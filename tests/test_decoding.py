@@ -149,3 +149,80 @@ def test_greedy_equals_generate_trained_head(smollm2, prompts_and_refs, tmp_path
         for ids, ref in prompts_and_refs:
             out, _ = speculative_generate(model, head, ids, cfg, eos_token_id=tok.eos_token_id)
             assert out == ref
+
+
+def argmax_loop(model, ids, n):
+    """The definition of greedy: full forward, argmax, append; no cache, no logits processor."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
+
+
+def test_baseline_is_plain_argmax_despite_generation_config():
+    """A target whose generation_config.json sets repetition_penalty / no_repeat_ngram_size:
+    `generate` with the model's config applies them even when greedy; the baseline must not."""
+    model = make_tiny_llama(vocab_size=64, layers=2, hidden=32, seed=3)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    plain = argmax_loop(model, ids, 12)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 2
+    own = model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)[0, 4:].tolist()
+    assert own != plain  # the processors do change this target's greedy output
+    assert vanilla_generate(model, ids, 12) == plain
+    out, _ = speculative_generate(model, OracleHead(ids[0].tolist() + plain, 64, noise=0.3), ids,
+                                  SpecConfig(max_new_tokens=12, **MODES["dynamic"]))
+    assert out == plain
+
+
+def test_tau_counts_only_kept_tokens():
+    """A pass whose accepted path runs past EOS or the budget counts only the tokens kept, so
+    sum(accepted + 1) over passes is exactly the tokens emitted after the prefill's first one."""
+    model = make_tiny_llama(vocab_size=64, layers=2, hidden=32, seed=3)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    free = argmax_loop(model, ids, 12)
+    eos = free[6]
+    for mode in MODES.values():
+        for max_new, stop in [(3, None), (6, None), (12, None), (12, eos)]:
+            head = OracleHead(ids[0].tolist() + free, 64)
+            out, stats = speculative_generate(model, head, ids, SpecConfig(max_new_tokens=max_new, **mode),
+                                              eos_token_id=stop)
+            assert out == vanilla_generate(model, ids, max_new, eos_token_id=stop)
+            assert sum(a + 1 for a in stats["accept_lengths"]) == len(out) - 1, (mode, max_new, stop)
+            assert stats["t_draft"] > 0 and stats["t_verify"] > 0
+
+
+def test_refuses_batches_flash_kernels_and_sliding_windows():
+    model = make_tiny_llama(vocab_size=64, layers=2, hidden=32, seed=3)
+    head = OracleHead(list(range(40)), 64)
+    cfg = SpecConfig(tree="chain", depth=3, max_new_tokens=6)
+    with pytest.raises(ValueError, match="batch > 1"):
+        speculative_generate(model, head, torch.tensor([[1, 5, 9], [1, 5, 9]]), cfg)
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"), device="cpu")
+    with pytest.raises(ValueError, match="flash_attention_2.*sdpa"):
+        speculative_generate(flash, head, torch.tensor([[1, 5, 9]]), cfg)
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    sliding = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=64, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+        attn_implementation="sdpa")).eval()
+    ids = torch.tensor([[1, 5, 9, 12]])
+    ref = vanilla_generate(sliding, ids, 6)
+    out, _ = speculative_generate(sliding, OracleHead(ids[0].tolist() + ref, 64), ids, cfg)  # fits the window
+    assert out == ref
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 16\\)"):
+        speculative_generate(sliding, head, ids, SpecConfig(tree="chain", depth=3, max_new_tokens=30))
+
+
+def test_node_cap_is_the_dynamic_trees_candidate_count():
+    from eagle_train.decoding import max_tree_nodes
+
+    assert max_tree_nodes(SpecConfig(tree="dynamic", topk=4, depth=5, num_draft_tokens=100)) == 4 + 4 * 16
+    assert max_tree_nodes(SpecConfig(tree="dynamic", topk=4, depth=5, num_draft_tokens=16)) == 16
+    assert max_tree_nodes(SpecConfig(tree="chain", depth=5, num_draft_tokens=16)) == 5
+    assert max_tree_nodes(SpecConfig(tree="static", static_tree=[[0], [1], [0, 0]])) == 3

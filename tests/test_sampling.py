@@ -1,6 +1,6 @@
 """Speculative sampling must reproduce the target's distribution exactly (chi-square on the joint
-of the first 3 sampled tokens of a tiny small-vocabulary target), and a wrong acceptance rule
-must fail the same test."""
+of the first 3 sampled tokens of a tiny small-vocabulary target) with top-p and with top-k, and
+both a grossly and a subtly wrong acceptance rule must fail the same test."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from conftest import make_tiny_llama
 from eagle_train.decoding import SpecConfig, rejection_rule, speculative_generate, target_probs
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 
-V, N = 4, 400  # 64 joint cells; the wrong rule below fails with p ~ 1e-9 at this N
+V, N = 4, 400  # 64 joint cells; the gross wrong rule below fails with p ~ 1e-9 at this N
+N_SUBTLE = 3200  # the subtle one shifts a few cells by a few percent: it needs more samples
 PROMPT = torch.tensor([[1, 3, 0, 2]])
 TEMPERATURE, TOP_P = 1.0, 0.95
+SAMPLERS = {"top_p": dict(temperature=1.0, top_p=0.95, top_k=0), "top_k": dict(temperature=0.8, top_p=1.0, top_k=2)}
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +34,25 @@ def setup():
     torch.set_num_threads(threads)
 
 
-def exact_joint(target):
-    """p(t1, t2, t3) for all V^3 continuations, with the same temperature / top-p as the sampler."""
+def exact_joint(target, temperature=TEMPERATURE, top_p=TOP_P, top_k=0):
+    """p(t1, t2, t3) for all V^3 continuations, with the same temperature / top-k / top-p as the sampler."""
     probs = {}
     with torch.no_grad():
         for prefix in itertools.chain([()], itertools.product(range(V), repeat=1), itertools.product(range(V), repeat=2)):
             ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long).view(1, -1)], dim=1)
-            probs[prefix] = target_probs(target(ids).logits[0, -1], TEMPERATURE, TOP_P)
+            probs[prefix] = target_probs(target(ids).logits[0, -1], temperature, top_p, top_k)
     joint = torch.zeros(V, V, V)
     for a, b, c in itertools.product(range(V), repeat=3):
         joint[a, b, c] = probs[()][a] * probs[(a,)][b] * probs[(a, b)][c]
     return joint.flatten()
 
 
-def sampled_counts(target, head, rule, seed=0):
-    cfg = SpecConfig(tree="dynamic", topk=2, depth=2, num_draft_tokens=3, temperature=TEMPERATURE,
-                     top_p=TOP_P, max_new_tokens=3)
+def sampled_counts(target, head, rule, seed=0, n=N, temperature=TEMPERATURE, top_p=TOP_P, top_k=0):
+    cfg = SpecConfig(tree="dynamic", topk=2, depth=2, num_draft_tokens=3, temperature=temperature,
+                     top_p=top_p, top_k=top_k, max_new_tokens=3)
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V ** 3)
-    for _ in range(N):
+    for _ in range(n):
         toks, _ = speculative_generate(target, head, PROMPT, cfg, generator=gen, accept_rule=rule)
         a, b, c = toks
         counts[(a * V + b) * V + c] += 1
@@ -65,7 +67,7 @@ def chi2_pvalue(counts, joint):
     exp = torch.cat([expected[~small], expected[small].sum().view(1)])
     keep = exp > 0
     obs, exp = obs[keep].double(), exp[keep].double()
-    assert obs.sum() == exp.sum().round(), "sampled tokens outside the top-p nucleus"
+    assert obs.sum() == exp.sum().round(), "sampled tokens outside the top-k / top-p support"
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
@@ -75,11 +77,50 @@ def wrong_rule(p, q, x, generator):
     return ok, p
 
 
-def test_speculative_sampling_matches_target(setup):
+def soft_q_rule(p, q, x, generator):
+    """Subtle bug: the child was picked deterministically (top-k, so q is one-hot on x) but the
+    rule accepts with min(1, p(x) / q(x)) for a soft q(x) = 0.9, as if a confident draft had
+    sampled x; the residual is the right one. It accepts ~11% too often: N = 400 samples miss it
+    (p ~ 0.5), N_SUBTLE catch it."""
+    u = float(torch.rand((), generator=generator))
+    if u * 0.9 < float(p[x]):
+        return True, p
+    r = p.clone()
+    r[x] = 0
+    return False, r / r.sum()
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_speculative_sampling_matches_target(setup, sampler):
+    target, head = setup
+    kw = SAMPLERS[sampler]
+    joint = exact_joint(target, **kw)
+    assert chi2_pvalue(sampled_counts(target, head, rejection_rule, **kw), joint) > 0.01
+    assert chi2_pvalue(sampled_counts(target, head, wrong_rule, **kw), joint) < 1e-5
+
+
+def test_subtly_wrong_rule_fails(setup):
+    """Enough samples that a rule accepting a little too often is caught, while the right rule,
+    on the same seed and sample count, passes."""
     target, head = setup
     joint = exact_joint(target)
-    assert chi2_pvalue(sampled_counts(target, head, rejection_rule), joint) > 0.01
-    assert chi2_pvalue(sampled_counts(target, head, wrong_rule), joint) < 1e-5
+    assert chi2_pvalue(sampled_counts(target, head, rejection_rule, seed=1, n=N_SUBTLE), joint) > 0.01
+    assert chi2_pvalue(sampled_counts(target, head, soft_q_rule, seed=1, n=N_SUBTLE), joint) < 1e-4
+
+
+def test_top_k_top_p_match_transformers_warpers():
+    """target_probs applies temperature, then top-k, then top-p on what is left, like generate."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(50) * 3
+    for t, k, top_p in [(0.7, 5, 1.0), (1.0, 10, 0.8), (1.3, 0, 0.9), (0.5, 3, 0.5)]:
+        x = TemperatureLogitsWarper(t)(None, logits[None].clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if top_p < 1:
+            x = TopPLogitsWarper(top_p)(None, x)
+        torch.testing.assert_close(target_probs(logits, t, top_p, k), torch.softmax(x[0], -1))
 
 
 def test_top_p_keeps_the_nucleus():
