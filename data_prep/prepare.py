@@ -154,6 +154,7 @@ def main(cfg) -> dict:
                           "skipped": sum(v for k, v in skips.counts.items() if k != "truncated_file_tail")},
         "skipped": dict(sorted(skips.counts.items())),
         "skipped_examples": skips.examples,
+        "dropped_turns": dict(sorted(skips.dropped_turns.items())),
         "bytes_dropped": skips.bytes_dropped,
         "tokens": tokens,
         "loss_tokens": loss_tokens,

@@ -49,6 +49,8 @@ class Skips:
     counts: Counter = field(default_factory=Counter)
     examples: Dict[str, List[str]] = field(default_factory=dict)
     bytes_dropped: int = 0  # bytes of a truncated JSON array that held no complete record
+    # turns dropped from records that were kept, by reason (e.g. a leading assistant turn)
+    dropped_turns: Counter = field(default_factory=Counter)
 
     def add(self, reason: str, where: str) -> None:
         self.counts[reason] += 1
@@ -97,9 +99,11 @@ def _turns(raw, role_key: str, text_key: str) -> List[Dict[str, str]]:
     return out
 
 
-def normalize(record, fmt: str = "auto") -> List[Dict[str, str]]:
+def normalize(record, fmt: str = "auto", skips: Optional[Skips] = None) -> List[Dict[str, str]]:
     """One raw record -> [{role, content}] with an optional leading system turn, then user first,
-    ending on an assistant turn (a trailing user turn has nothing to learn and is dropped)."""
+    ending on an assistant turn (a trailing user turn has nothing to learn and is dropped).
+    ShareGPT splits long chats into parts and a later part opens with the assistant: that turn has
+    no user turn to answer, so it alone is dropped (counted in `skips.dropped_turns`), not the record."""
     if not isinstance(record, dict):
         raise BadRecord("not_an_object", f"got {type(record).__name__}")
     fmt = detect_format(record) if fmt == "auto" else fmt
@@ -120,14 +124,22 @@ def normalize(record, fmt: str = "auto") -> List[Dict[str, str]]:
     body = msgs[1:] if msgs[0]["role"] == "system" else msgs
     if not body:
         raise BadRecord("empty_conversation", "only a system prompt")
-    if body[0]["role"] == "assistant":
-        raise BadRecord("first_turn_assistant")
+    lead = body[0]["role"] == "assistant"
+    if lead:
+        msgs = msgs[:len(msgs) - len(body)] + body[1:]
+        body = body[1:]
+        if not body:
+            raise BadRecord("no_assistant_turn", "only a leading assistant turn")
+        if body[0]["role"] == "assistant":
+            raise BadRecord("consecutive_assistant_turns", "two assistant turns open the conversation")
     if any(m["role"] == "system" for m in body):
         raise BadRecord("misplaced_system", "a system turn after the first turn")
     while msgs and msgs[-1]["role"] != "assistant":
         msgs.pop()
-    if not msgs:
+    if not msgs or msgs[-1]["role"] != "assistant":
         raise BadRecord("no_assistant_turn")
+    if lead and skips is not None:
+        skips.dropped_turns["leading_assistant_turn"] += 1
     return msgs
 
 
@@ -281,7 +293,7 @@ def read_conversations(source: str, fmt: str = "auto", split: str = "train", ski
     for where, record in iter_records(source, split, skips):
         rid = record_id(record, where)
         try:
-            msgs = normalize(record, fmt)
+            msgs = normalize(record, fmt, skips)
         except BadRecord as bad:
             skips.add(bad.reason, rid if rid == where else f"{rid} ({where})")
             continue

@@ -97,8 +97,11 @@ class HeadConfig:
     draft_vocab_size: int = 32000
     # MLP width of the draft decoder layer (None: the target's)
     intermediate_size: Optional[int] = None
-    # start the draft decoder layer from the target's last decoder layer where shapes allow
-    init_from_target: bool = False
+    # initial weights: none (random draft layer and lm_head), lm_head (EAGLE-3 norm + lm_head start
+    # from the target's final norm and lm_head rows of the draft vocabulary), last_layer (lm_head, plus
+    # the draft layer from the target's last decoder layer; starts by predicting token t+1, the one
+    # it is given). A/B on SmolLM2 in bench/RESULTS.md
+    init: str = "none"
     # EAGLE-1 fc bias (the original Vicuna heads had one; vLLM's Llama EAGLE heads do not)
     fc_bias: bool = False
 
@@ -157,6 +160,12 @@ class TrainConfig:
     # wandb project / run name
     project: str = "eagle-train"
     run_name: Optional[str] = None
+    # positions trained on: assistant (the loss mask) or all (user turns too)
+    loss_positions: str = "assistant"
+    # sort samples by length within windows of 64 batches: less padding
+    length_buckets: bool = True
+    # also save the head at every evaluation under <output>/snapshots/step-N (learning curves)
+    snapshots: bool = False
     # checkpoints and the final head
     output: str = "${output_dir}/train"
 
@@ -241,6 +250,8 @@ CHOICES = {
     "dump.storage": ("full", "topk"),
     "dump.dtype": ("float32", "bfloat16", "float16", "float8"),
     "head.type": ("eagle3", "eagle1"),
+    "head.init": ("none", "lm_head", "last_layer"),
+    "train.loss_positions": ("assistant", "all"),
     "train.mode": ("offline", "online"),
     "train.engine": ("deepspeed", "ddp", "none"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),

@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # `python eagle_train/train.py` / `accelerate lau
 
 from eagle_train.draft_vocab import build_draft_vocab, count_tokens, draft_ids_of, load_draft_vocab, save_draft_vocab
 from eagle_train.features import decoder_of, target_features
+from eagle_train.files import atomic_write_text
 from eagle_train.heads import build_head, head_type, save_head
 from eagle_train.recipe import load_recipe, split_args
 from eagle_train.target import load_target, resolve_model_path
@@ -78,9 +79,24 @@ def ttt_attention(q, k0, v0, ks, vs):
 
 
 def soft_ce(logits, p, valid):
-    """Sum over valid positions of -sum_v p log softmax(logits), and the count."""
-    ce = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    """Sum over valid positions of -sum_v p log softmax(logits), and the count. `p` is dense
+    (B, n, Vd), or sparse as (ids, probs) each (B, n, k) (the lean dump's top-k): then
+    -sum_k p_k logits[ids_k] + logsumexp(logits) * sum_k p_k, without a dense (B, n, Vd) target."""
+    logits = logits.float()
+    if isinstance(p, tuple):
+        ids, probs = p
+        ce = torch.logsumexp(logits, dim=-1) * probs.sum(-1) - (logits.gather(-1, ids) * probs).sum(-1)
+    else:
+        ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
     return (ce * valid).sum(), valid.sum()
+
+
+def shift_target(p, k):
+    return tuple(shift(x, k) for x in p) if isinstance(p, tuple) else shift(p, k)
+
+
+def cut(p, n):
+    return tuple(x[:, :n] for x in p) if isinstance(p, tuple) else p[:, :n]
 
 
 def ttt_unroll(head, ids, aux, steps):
@@ -118,21 +134,25 @@ class DraftLoss(nn.Module):
         # per-dim RMS of the aux features; fc trains on aux / feature_scale and is folded back on save
         self.register_buffer("feature_scale", feature_scale, persistent=False)
 
-    def forward(self, b):
-        return self.eagle3(b) if head_type(self.head) == "eagle3" else self.eagle1(b)
+    def forward(self, b, with_stats=True):
+        """(loss, stats); stats (top-1 hits per TTT step) only when asked: logging steps and evals."""
+        return self.eagle3(b, with_stats) if head_type(self.head) == "eagle3" else self.eagle1(b)
 
-    def eagle3(self, b):
+    def eagle3(self, b, with_stats=True):
         head, steps = self.head, self.tc.ttt_steps
-        ids, valid_tok, p, top1 = b["input_ids"], b["valid"], b["p"], b["top1"]
+        ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
         loss, stats = 0.0, {}
         for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps)):
             n = logits.shape[1]
-            valid = shift(valid_tok, 2 + s)[:, :n].to(logits.dtype)  # predicted token t+2+s is real + assistant
-            ce, cnt = soft_ce(logits, shift(p, 1 + s)[:, :n], valid)
+            # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
+            valid = shift(valid_tok, 2 + s)[:, :n].float()
+            ce, cnt = soft_ce(logits, cut(shift_target(p, 1 + s), n), valid)
             loss = loss + self.tc.ttt_decay ** s * ce / cnt.clamp(min=1)
-            hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(top1, 1 + s)[:, :n]).to(valid.dtype)
-            stats[f"acc_{s}"] = torch.stack([(hit * valid).sum().detach(), cnt.detach()])
+            if with_stats:
+                with torch.no_grad():
+                    hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(b["top1"], 1 + s)[:, :n]).float()
+                    stats[f"acc_{s}"] = torch.stack([(hit * valid).sum(), cnt.detach()])
         return loss, stats
 
     def eagle1(self, b):
@@ -156,10 +176,14 @@ class DraftLoss(nn.Module):
 
 # ---------------------------------------------------------------- targets and data
 @torch.no_grad()
-def add_targets(b, head_kind, lm_head_w, draft_ids, t2d_index, chunk=2048):
-    """Target distribution at every position, restricted to the draft vocabulary and renormalized
-    (EAGLE-3: `p` (B, L, Vd), `top1` target ids), from `last` (via the target lm_head) or top-k."""
-    b["valid"] = (b["loss_mask"].bool() & b["attention_mask"].bool())
+def add_targets(b, head_kind, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant"):
+    """Training targets. `valid` (B, L): positions whose token is trained on (`positions`: the
+    assistant replies, or every real token). EAGLE-3 adds `p`, the target distribution at every
+    position restricted to the draft vocabulary and renormalized, and `top1` (target ids); a
+    position whose target top-1 lies outside the draft vocabulary is not valid (the head cannot
+    propose it). From the lean dump's top-k, `p` stays sparse: (draft ids, probs) each (B, L, k)."""
+    real = b["attention_mask"].bool()
+    b["valid"] = real & (b["loss_mask"].bool() if positions == "assistant" else real)
     if head_kind == "eagle1":
         return b
     if "last" in b:
@@ -170,12 +194,10 @@ def add_targets(b, head_kind, lm_head_w, draft_ids, t2d_index, chunk=2048):
     else:
         didx = t2d_index[b["topk_ids"].long()]  # draft id or -1
         probs = b["topk_logp"].float().exp() * (didx >= 0)
-        p = torch.zeros(*didx.shape[:2], draft_ids.numel(), device=probs.device)
-        p.scatter_add_(-1, didx.clamp(min=0), probs)
-        mass = p.sum(-1, keepdim=True)
-        b["p"] = p / mass.clamp(min=1e-20)
-        b["valid"] &= mass.squeeze(-1) > 0  # no draft-vocabulary token among the top-k: nothing to learn
+        b["p"] = (didx.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-20))
         b["top1"] = b["topk_ids"][..., 0].long()
+    # p[t] predicts token t+1: token t+1 is learnable only if the target's top-1 at t is a draft token
+    b["valid"][:, 1:] &= t2d_index[b["top1"][:, :-1]] >= 0
     return b
 
 
@@ -226,12 +248,27 @@ def corpus_pairs(cfg, ds):
     return ((ds[i]["input_ids"], ds[i]["loss_mask"]) for i in range(len(ds)))
 
 
-def batch_indices(n, mb, world, rank, seed, epoch):
-    """This rank's micro-batches of one epoch: a seeded permutation split into global batches."""
+def batch_indices(n, mb, world, rank, seed, epoch, lengths=None, bucket=64):
+    """This rank's micro-batches of one epoch: a seeded permutation split into global batches.
+    With `lengths`, each run of `bucket` global batches of the permutation is sorted by length
+    before it is cut (samples padded to a similar length), and the batches are shuffled again."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=g).tolist()
     per = mb * world
-    return [perm[i + rank * mb:i + (rank + 1) * mb] for i in range(0, n - per + 1, per)]
+    perm = perm[:n - n % per]
+    if lengths is not None:
+        span = per * bucket
+        perm = [i for c in range(0, len(perm), span) for i in sorted(perm[c:c + span], key=lambda i: lengths[i])]
+        order = torch.randperm(len(perm) // per, generator=g).tolist()
+        perm = [i for j in order for i in perm[j * per:(j + 1) * per]]
+    return [perm[i + rank * mb:i + (rank + 1) * mb] for i in range(0, len(perm), per)]
+
+
+def sample_lengths(ds):
+    """Token count of every sample (the dump's manifest, or the prepared corpus)."""
+    if hasattr(ds, "lengths"):
+        return list(ds.lengths)
+    return [len(x) for x in ds["input_ids"]]
 
 
 def load_batch(ds, collate, idx, device):
@@ -240,13 +277,13 @@ def load_batch(ds, collate, idx, device):
 
 # ---------------------------------------------------------------- setup helpers
 def target_weights(cfg, target=None):
-    """(hf_config, embed (V, H), lm_head (V, H)) of the target, read from its safetensors when
-    possible so offline training never loads the whole target."""
+    """(hf_config, embed (V, H), lm_head (V, H), final norm (H,)) of the target, read from its
+    safetensors when possible so offline training never loads the whole target."""
     from transformers import AutoConfig
 
     if target is not None:
         return (target.config, target.get_input_embeddings().weight.detach(),
-                target.get_output_embeddings().weight.detach())
+                target.get_output_embeddings().weight.detach(), decoder_of(target).norm.weight.detach())
     path = Path(resolve_model_path(cfg.target.model, cfg.target.cache_dir, cfg.target.gguf_file))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
@@ -258,25 +295,31 @@ def target_weights(cfg, target=None):
     for f in files:
         with safe_open(str(f), "pt") as h:
             for k in h.keys():
-                if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
-                    found["lm_head" if k == "lm_head.weight" else "embed"] = h.get_tensor(k).float()
+                name = {"lm_head.weight": "lm_head", "model.norm.weight": "norm"}.get(k)
+                name = name or ("embed" if k.endswith("embed_tokens.weight") else None)
+                if name:
+                    found[name] = h.get_tensor(k).float()
+    if "norm" not in found:  # another naming scheme: load the target once
+        model, _ = load_target(cfg.target, with_tokenizer=False)
+        return target_weights(cfg, model)
     conf = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.target.trust_remote_code)
-    return conf, found["embed"], found.get("lm_head", found["embed"])  # tied embeddings
+    return conf, found["embed"], found.get("lm_head", found["embed"]), found["norm"]  # tied embeddings
 
 
 def init_from_target(head, target, feature_scale):
-    """Start the draft layer from the target's last decoder layer where shapes allow: o_proj, mlp,
-    norms; q/k/v take the target's weights on their feature half and zeros on the embedding half;
-    EAGLE-3 fc passes the high aux feature through and lm_head starts from the target's rows."""
-    layer = decoder_of(target).layers[-1]
-    src = {k: v.float() for k, v in layer.state_dict().items()}
+    """`head.init=last_layer`: EAGLE-3's norm and lm_head from the target's final norm and lm_head
+    rows, the draft layer from the target's last decoder layer where shapes allow (q/k/v: the
+    target's weights on the feature half, zeros on the token half), and fc passing the high aux
+    feature through; so at step 0 the head reproduces the target's prediction of token t+1."""
     H = head.config.hidden_size
-    own = head.midlayer if head_type(head) == "eagle3" else head.layers[0]
     with torch.no_grad():
+        if head_type(head) == "eagle3":
+            head.norm.weight.copy_(decoder_of(target).norm.weight.float())
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight.float()[draft_ids_of(head.d2t)])
+        src = {k: v.float() for k, v in decoder_of(target).layers[-1].state_dict().items()}
+        own = head.midlayer if head_type(head) == "eagle3" else head.layers[0]
         for name, p in own.named_parameters():
-            if name == "hidden_norm.weight":
-                name = "input_layernorm.weight"
-            w = src.get(name)
+            w = src.get("input_layernorm.weight" if name == "hidden_norm.weight" else name)
             if w is None:
                 continue
             if w.shape == p.shape:
@@ -284,13 +327,10 @@ def init_from_target(head, target, feature_scale):
             elif p.dim() == 2 and p.shape == (w.shape[0], 2 * H) and w.shape[1] == H:  # eagle3 q/k/v
                 p.zero_()
                 p[:, H:] = w
-        if head_type(head) == "eagle3":
-            head.norm.weight.copy_(decoder_of(target).norm.weight.float())
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight.float()[draft_ids_of(head.d2t)])
-            if head.config.target_hidden_size == H:
-                head.fc.weight.zero_()
-                scale = feature_scale[2 * H:] if feature_scale is not None else torch.ones(H)
-                head.fc.weight[:, 2 * H:] = torch.diag(scale)
+        if head_type(head) == "eagle3" and head.config.target_hidden_size == H:
+            head.fc.weight.zero_()
+            scale = feature_scale[2 * H:] if feature_scale is not None else torch.ones(H)
+            head.fc.weight[:, 2 * H:] = torch.diag(scale)
 
 
 def feature_rms(ds, collate, n=16):
@@ -314,9 +354,9 @@ def make_accelerator(cfg, out):
     from accelerate.utils import InitProcessGroupKwargs
 
     tc, cuda = cfg.train, torch.cuda.is_available()
-    mp = "no" if not cuda else ("bf16" if tc.mixed_precision == "auto" else tc.mixed_precision)  # fp32 on CPU
-    kw = dict(mixed_precision=mp, gradient_accumulation_steps=tc.grad_accum)
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    mp = mixed_precision(tc, cuda, multi)
+    kw = dict(mixed_precision=mp, gradient_accumulation_steps=tc.grad_accum)
     if multi:  # gloo is what DeepSpeed/DDP need on CPU
         kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")]
     if tc.engine == "deepspeed" and multi:
@@ -357,6 +397,24 @@ def make_accelerator(cfg, out):
 
         unset_hf_deepspeed_config()
     return acc
+
+
+def mixed_precision(tc, cuda, multi):
+    """accelerate's mixed_precision. GPU: bf16 under auto. CPU: bf16 autocast (fp32 master weights
+    and losses) where the CPU has native bf16 matmuls (AVX512-BF16/AMX: 1.4-1.7x faster head
+    steps measured, bench/RESULTS.md), else fp32; DeepSpeed's CPU ranks stay fp32."""
+    if cuda:
+        return "bf16" if tc.mixed_precision == "auto" else tc.mixed_precision
+    if multi and tc.engine == "deepspeed":
+        return "no"
+    if tc.mixed_precision == "auto":
+        return "bf16" if cpu_has_fast_bf16() else "no"
+    return "no" if tc.mixed_precision == "fp16" else tc.mixed_precision
+
+
+def cpu_has_fast_bf16() -> bool:
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # native bf16 dot products
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def merge(a, b):
@@ -402,19 +460,24 @@ def find_checkpoint(out):
 
 
 # ---------------------------------------------------------------- main
-def evaluate(model, acc, ds, collate, prep, cfg):
-    tc = cfg.train
-    model.eval()
-    sums, loss_sum, n_b = {}, 0.0, 0
+def eval_batches(acc, ds, collate, features, tc):
+    """This rank's held-out batches with their target features, built once and kept for every
+    evaluation (online mode would otherwise rerun the target on them each time), as (batch, weight).
+    Every rank runs the same number of forwards (ZeRO-3 gathers weights inside them, and the stats
+    tensor reduced in `evaluate` must have one length): a rank short of batches repeats one, weight 0."""
     every = [list(range(i, min(i + tc.micro_batch_size, len(ds)))) for i in range(0, len(ds), tc.micro_batch_size)]
-    # every rank runs the same number of forwards (ZeRO-3 gathers weights inside them, and the stats
-    # tensor reduced below must have one length); a rank short of batches repeats one and drops it
     n = min(tc.eval_batches, -(-len(every) // acc.num_processes))
     mine = every[acc.process_index::acc.num_processes][:n]
+    return [(features(load_batch(ds, collate, mine[j] if j < len(mine) else every[0], acc.device)), int(j < len(mine)))
+            for j in range(n)]
+
+
+def evaluate(model, acc, batches, targets):
+    model.eval()
+    sums, loss_sum, n_b = {}, 0.0, 0
     with torch.no_grad():
-        for j in range(n):
-            loss, stats = model(prep(load_batch(ds, collate, mine[j] if j < len(mine) else every[0], acc.device)))
-            w = int(j < len(mine))
+        for b, w in batches:
+            loss, stats = model(targets(dict(b)))
             loss_sum, n_b = loss_sum + w * float(loss), n_b + w
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0) + w * v
@@ -448,7 +511,7 @@ def main(cfg, target=None, stop_after=None):
         target, _ = load_target(cfg.target, with_tokenizer=False)
     if target is not None:
         target.to(dev).eval().requires_grad_(False)
-    tconf, embed, lm_head_w = target_weights(cfg, target)
+    tconf, embed, lm_head_w, norm_w = target_weights(cfg, target)
 
     torch.manual_seed(tc.seed)
     head = build_head(cfg.head, tconf)
@@ -470,7 +533,11 @@ def main(cfg, target=None, stop_after=None):
                 feature_scale = f["aux"][m].float().pow(2).mean(0).add(1e-6).sqrt().cpu()
             else:
                 feature_scale = feature_rms(ds, collate)
-    if cfg.head.init_from_target:
+    if cfg.head.init == "lm_head" and kind == "eagle3":
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_head_w.float()[draft_ids_of(head.d2t)])
+            head.norm.weight.copy_(norm_w.float())
+    elif cfg.head.init == "last_layer":
         init_from_target(head, target if target is not None else load_target(cfg.target, False)[0], feature_scale)
     draft_ids = draft_ids_of(head.d2t).to(dev) if kind == "eagle3" else None
     t2d_index = torch.full((tconf.vocab_size,), -1, dtype=torch.long)
@@ -478,11 +545,14 @@ def main(cfg, target=None, stop_after=None):
         t2d_index[draft_ids.cpu()] = torch.arange(draft_ids.numel())
     t2d_index, lm_head_w = t2d_index.to(dev), lm_head_w.to(dev)
 
-    def prep(b):
+    def features(b):
         if cfg.train.mode == "online":
             b.update(target_features(target, b["input_ids"], b["attention_mask"],
                                      head.config.aux_layers if kind == "eagle3" else None, "full"))
-        return add_targets(b, kind, lm_head_w, draft_ids, t2d_index)
+        return b
+
+    def targets(b):
+        return add_targets(b, kind, lm_head_w, draft_ids, t2d_index, positions=tc.loss_positions)
 
     model = DraftLoss(head, tc, feature_scale)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -493,7 +563,7 @@ def main(cfg, target=None, stop_after=None):
     deepspeed = acc.state.deepspeed_plugin is not None
 
     # resume
-    micro, metrics = 0, {}
+    micro, metrics, done = 0, {}, {"tokens": 0, "cpu_s": 0.0, "wall_s": 0.0}
     resume = str(tc.resume).lower()
     ckpt = find_checkpoint(out) if resume != "false" else None
     if resume == "true" and ckpt is None:
@@ -502,26 +572,35 @@ def main(cfg, target=None, stop_after=None):
         acc.load_state(str(ckpt))
         state = json.loads((ckpt / "train_state.json").read_text())
         micro, metrics = state["micro_step"], state["metrics"]
+        done.update(state.get("progress", {}))
         acc.print(f"[train] resumed from {ckpt} at step {state['step']}")
     if acc.is_main_process and tc.tracker != "none":
         acc.init_trackers(tc.project, config=_flat(_plain(cfg)),
                           init_kwargs={"wandb": {"name": tc.run_name}} if tc.tracker == "wandb" else {})
 
-    if micro == 0 and eval_data is not None:  # the untrained head, for comparison
-        metrics.update({k.replace("eval/", "eval0/"): v for k, v in evaluate(model, acc, *eval_data, prep, cfg).items()})
+    held_out = eval_batches(acc, *eval_data, features, tc) if eval_data is not None else None
+    step = micro // tc.grad_accum
+    trim_curve(acc, out, step)  # rows of evaluations after the checkpoint we resume from are redone
+    if micro == 0 and held_out is not None:  # the untrained head, for comparison and the curve's origin
+        metrics.update({k.replace("eval/", "eval0/"): v for k, v in evaluate(model, acc, held_out, targets).items()})
+        log_curve(acc, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
+    lengths = sample_lengths(ds) if tc.length_buckets else None
     per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, acc.num_processes, 0, 0, 0))
     if per_epoch == 0:
         raise ValueError(f"{len(ds)} training samples < train.micro_batch_size x processes; lower train.micro_batch_size")
-    step = micro // tc.grad_accum
+    plan = {}  # epoch -> this rank's micro-batches
     bar = tqdm(total=tc.max_steps, initial=step, disable=not acc.is_main_process, desc="train", unit="step")
     model.train()
-    t0, tokens, last_loss = time.perf_counter(), 0, float("nan")
+    t0, c0, tokens, last_loss = time.perf_counter(), time.process_time(), 0, float("nan")
     while step < tc.max_steps and (stop_after is None or step < stop_after):
         epoch, pos = divmod(micro, per_epoch)
-        idx = batch_indices(len(ds), tc.micro_batch_size, acc.num_processes, acc.process_index, tc.seed, epoch)[pos]
-        b = prep(load_batch(ds, collate, idx, dev))
+        if epoch not in plan:
+            plan = {epoch: batch_indices(len(ds), tc.micro_batch_size, acc.num_processes, acc.process_index,
+                                         tc.seed, epoch, lengths)}
+        b = targets(features(load_batch(ds, collate, plan[epoch][pos], dev)))
+        logging = (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps
         with acc.accumulate(model):
-            loss, stats = model(b)
+            loss, stats = model(b, with_stats=logging)
             bad = acc.reduce((~torch.isfinite(loss.detach())).float().reshape(1), "sum")  # every rank stops together
             if bad.item() > 0:
                 ckpt = find_checkpoint(out)
@@ -541,19 +620,26 @@ def main(cfg, target=None, stop_after=None):
         sched.step()
         step += 1
         bar.update(1)
-        if step % tc.log_every == 0 or step == tc.max_steps:
+        # progress for the learning curves: tokens seen, CPU seconds of this process (all threads), wall
+        now = {"tokens": done["tokens"] + tokens, "cpu_s": done["cpu_s"] + time.process_time() - c0,
+               "wall_s": done["wall_s"] + time.perf_counter() - t0}
+        if logging and stats:
             accs = {k: round(float(v[0] / v[1].clamp(min=1)), 3) for k, v in stats.items()}
             rate = tokens / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}", **accs)
             metrics.update({"train/loss": last_loss, "train/lr": sched.get_last_lr()[0], "train/tokens_per_s": rate,
                             **{f"train/{k}": v for k, v in accs.items()}})
             acc.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
-        if eval_data is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
-            metrics.update(evaluate(model, acc, *eval_data, prep, cfg))
+        if held_out is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
+            metrics.update(evaluate(model, acc, held_out, targets))
             acc.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
             acc.print(f"[train] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "eval" in k))
+            log_curve(acc, out, step, now, metrics)
+            if tc.snapshots and acc.is_main_process and not (deepspeed and tc.zero_stage == 3):
+                save_head(trained_head(cfg, tconf, head, acc.get_state_dict(model), feature_scale),
+                          out / "snapshots" / f"step-{step}", extra={"train_state": {"step": step, "progress": now}})
         if step % tc.save_every == 0 or step == tc.max_steps:
-            save_checkpoint(acc, out, {"step": step, "micro_step": micro, "metrics": metrics})
+            save_checkpoint(acc, out, {"step": step, "micro_step": micro, "metrics": metrics, "progress": now})
     bar.close()
     if stop_after is not None and step < tc.max_steps:
         acc.end_training()
@@ -566,14 +652,7 @@ def main(cfg, target=None, stop_after=None):
         digests = _gather_object(acc, _sha256(p for _, p in named))
     final = out / "final"
     if acc.is_main_process:
-        head_out = build_head(cfg.head, tconf).float()  # not a copy of `head`: under ZeRO-3 it holds a partition
-        if kind == "eagle3":
-            head_out.set_draft_vocab(head.d2t.cpu(), head.t2d.cpu())
-        missing, unexpected = head_out.load_state_dict(
-            {k[len("head."):]: v.float().cpu() for k, v in state.items() if k.startswith("head.")}, strict=False)
-        assert not unexpected and not [k for k in missing if k in dict(head_out.named_parameters())], missing
-        if feature_scale is not None:
-            head_out.fc.weight.data /= feature_scale
+        head_out = trained_head(cfg, tconf, head, state, feature_scale)
         # the saved weights are what the ranks trained: same digest as their (gathered) parameters
         info = {"step": step, "metrics": metrics, "rank_param_sha256": digests,
                 "saved_param_sha256": _sha256(state[k] for k, _ in named), "target": cfg.target.model,
@@ -585,6 +664,36 @@ def main(cfg, target=None, stop_after=None):
     acc.wait_for_everyone()
     acc.end_training()
     return {"final": final, "metrics": metrics, "step": step, "rank_param_sha256": digests}
+
+
+def trained_head(cfg, tconf, head, state, feature_scale):
+    """A fresh fp32 head holding the trained weights of `state` (the DraftLoss state dict), with the
+    feature scale folded into fc. Built anew, not copied: under ZeRO-3 `head` holds a partition."""
+    out = build_head(cfg.head, tconf).float()
+    if head_type(out) == "eagle3":
+        out.set_draft_vocab(head.d2t.cpu(), head.t2d.cpu())
+    missing, unexpected = out.load_state_dict(
+        {k[len("head."):]: v.float().cpu() for k, v in state.items() if k.startswith("head.")}, strict=False)
+    assert not unexpected and not [k for k in missing if k in dict(out.named_parameters())], missing
+    if feature_scale is not None:
+        out.fc.weight.data /= feature_scale
+    return out
+
+
+def log_curve(acc, out, step, progress, metrics):
+    """One line of <train.output>/curve.jsonl per evaluation: held-out metrics against training
+    tokens, CPU seconds and wall seconds (bench/curves.py plots it)."""
+    if acc.is_main_process:
+        row = {"step": step, **progress, **{k: v for k, v in metrics.items() if k.startswith("eval/")}}
+        with open(out / "curve.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def trim_curve(acc, out, step):
+    path = out / "curve.jsonl"
+    if acc.is_main_process and path.is_file():
+        rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] < step + (step > 0)]
+        atomic_write_text(path, "".join(r + "\n" for r in rows))
 
 
 def write_corpus(samples, folder, eval_samples=None):

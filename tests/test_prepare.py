@@ -40,7 +40,7 @@ GOOD = [sharegpt("ok1", ("human", "What is the capital of France?"), ("gpt", "Pa
 BAD = {  # one record of each bad kind
     "empty_conversation": sharegpt("bad_empty"),
     "unknown_role": sharegpt("bad_role", ("human", "hi"), ("robot", "beep")),
-    "first_turn_assistant": sharegpt("bad_first", ("gpt", "I start"), ("human", "ok"), ("gpt", "fine")),
+    "consecutive_assistant_turns": sharegpt("bad_first", ("gpt", "I start"), ("gpt", "again"), ("human", "ok")),
     "non_string_content": {"id": "bad_content", "conversations": [{"from": "human", "value": "hi"},
                                                                   {"from": "gpt", "value": ["a", "list"]}]},
     "invalid_json": '{"id": "bad_json", "conversations": [ {"from": "human", ',
@@ -50,6 +50,22 @@ BAD = {  # one record of each bad kind
 
 
 # ---------------------------------------------------------------- readers
+
+def test_leading_assistant_turn_is_dropped_and_the_rest_kept(tmp_path):
+    """A ShareGPT part that opens with the assistant loses that turn only, and the drop is counted."""
+    part = sharegpt("chat_1", ("gpt", "...continued answer"), ("human", "and then?"), ("gpt", "Then this."),
+                    ("human", "thanks"))
+    with_system = sharegpt("chat_2", ("system", "Be brief."), ("gpt", "tail"), ("human", "Q"), ("gpt", "A"))
+    only = sharegpt("chat_3", ("gpt", "just a tail"))
+    path = write_jsonl(tmp_path / "parts.jsonl", [part, with_system, only])
+    skips = Skips()
+    convs = {c.id: c.messages for c in read_conversations(str(path), skips=skips)}
+    assert convs["chat_1"] == [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "Then this."}]
+    assert convs["chat_2"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"},
+                               {"role": "assistant", "content": "A"}]
+    assert dict(skips.dropped_turns) == {"leading_assistant_turn": 2}
+    assert dict(skips.counts) == {"no_assistant_turn": 1}
+
 
 def test_bad_records_are_counted_by_reason(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", [GOOD[0], *BAD.values(), GOOD[1]])
@@ -181,7 +197,9 @@ def test_prepare_500_sharegpt_conversations(tmp_path, smollm2_tokenizer):
     assert c["kept"] + stats["skipped"].get("no_loss_tokens", 0) == 500
     assert c["train"] == len(train) and c["eval"] == len(evl) and len(train) + len(evl) == c["kept"] > 400
     assert len(evl) == round(c["kept"] * cfg.data.eval_fraction)
-    assert stats["skipped"]["first_turn_assistant"] > 0 and c["read"] == 500 + sum(
+    # ShareGPT parts that open with the assistant keep their later turns (only that turn is dropped)
+    assert stats["dropped_turns"]["leading_assistant_turn"] > 0 and "first_turn_assistant" not in stats["skipped"]
+    assert c["read"] == 500 + sum(
         v for k, v in stats["skipped"].items() if k != "no_loss_tokens")
     assert train.features["input_ids"].feature.dtype == "int32"
     assert train.features["loss_mask"].feature.dtype == "int8"
@@ -196,7 +214,9 @@ def test_prepare_500_sharegpt_conversations(tmp_path, smollm2_tokenizer):
     with gzip.open(SHAREGPT, "rt") as f:
         for line in f:
             r = json.loads(line)
-            source[r["id"]] = [t["value"] for t in r["conversations"] if t["from"] == "gpt"]
+            turns = [t for t in r["conversations"] if t["from"] != "system"]
+            lead = bool(turns) and turns[0]["from"] == "gpt"  # a ShareGPT part opening with the assistant: that turn is dropped
+            source[r["id"]] = [t["value"] for t in turns[lead:] if t["from"] == "gpt"]
             if len(source) > 2000:
                 break
     checked = 0
