@@ -37,28 +37,60 @@ def _fmt(x, nd=2):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _ci(ci) -> str:
+    return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
+def _pl_label(name: str) -> str:
+    return f"prompt lookup ({name.rsplit('_', 1)[1]} tokens)"
+
+
 def report_markdown(rep: dict) -> str:
     s = rep["settings"]
+    load = rep.get("load_average") or {}
     lines = [f"# Acceptance report: {rep['head']}", "",
              f"- target: `{rep['target']}`", f"- machine: {rep['machine']}", f"- date: {rep['date']}",
+             f"- load average (1, 5, 15 min) at start {load.get('start')}, at end {load.get('end')}: timings on a "
+             "busy machine are slower for every method alike (they interleave per prompt)",
              f"- tree: {s['tree']} (topk {s['topk']}, depth {s['depth']}, num_draft_tokens {s['num_draft_tokens']}"
-             f" root excluded), max_new_tokens {s['max_new_tokens']}", "",
-             "tau = mean tokens per target pass (accepted drafted tokens + the bonus token); speedup = "
-             "speculative tokens/s over vanilla tokens/s measured on the same prompts in the same run.", "",
-             "| benchmark | T | prompts | tau | speedup | tok/s spec | tok/s vanilla | accept rate by depth |",
+             f" root excluded), max_new_tokens {s['max_new_tokens']}, top_p {s.get('top_p')}, top_k {s.get('top_k', 0)}",
+             *([] if rep.get("complete", True) else ["- **incomplete**: the run stopped or is still going; the "
+                                                      "benchmarks below are finished"]),
+             "",
+             "tau = tokens per target pass (accepted drafted tokens + the bonus token; tokens cut at EOS or the "
+             "budget not counted). speedup = the method's tokens/s over the baseline's (`generate`, plain argmax at "
+             "T=0), measured on the same prompts in the same run. [a, b] = 95% bootstrap interval over prompts.", "",
+             "| benchmark | T | prompts | method | tau | speedup | tok/s | greedy mismatches |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rep["results"]:
-        by_depth = " ".join(_fmt(a) for a in r["accept_by_depth"])
-        lines.append(f"| {r['benchmark']} | {r['temperature']:g} | {r['n_prompts']} | {r['tau']:.3f} | "
-                     f"{r['speedup']:.3f} | {r['tokens_per_s_spec']:.1f} | {r['tokens_per_s_vanilla']:.1f} | {by_depth} |")
+        head = f"| {r['benchmark']} | {r['temperature']:g} | {r['n_prompts']} |"
+        lines.append(f"{head} baseline | 1.00 | 1.00x | {r['tokens_per_s_vanilla']:.1f} | - |")
+        for name, b in (r.get("baselines") or {}).items():
+            lines.append(f"{head} {_pl_label(name)} | {b['tau']:.2f}{_ci(b.get('tau_ci'))} | {b['speedup']:.2f}x"
+                         f"{_ci(b.get('speedup_ci'))} | {b['tokens_per_s']:.1f} | {b.get('greedy_mismatches', '-')} |")
+        lines.append(f"{head} **EAGLE head** | **{r['tau']:.2f}**{_ci(r.get('tau_ci'))} | **{r['speedup']:.2f}x**"
+                     f"{_ci(r.get('speedup_ci'))} | {r['tokens_per_s_spec']:.1f} | {r.get('greedy_mismatches', '-')} |")
+    lines += ["", "## Does the head beat prompt lookup?", ""]
+    lines += [f"- {_label(r)}: {r['verdict']}" for r in rep["results"] if r.get("verdict")]
     for r in rep["results"]:
-        lines += ["", f"## {_label(r)}: per category", "", "| category | tau | speedup |", "|---|---|---|"]
-        lines += [f"| {c} | {v['tau']:.3f} | {v['speedup']:.3f} |" for c, v in sorted(r["per_category"].items())]
-        lines += ["", "accepted drafted tokens per pass (histogram, index = count): "
+        lines += ["", f"## {_label(r)}", "", "| category | prompts | tau | speedup |", "|---|---|---|---|"]
+        lines += [f"| {c} | {v.get('n_prompts', '-')} | {v['tau']:.3f} | {v['speedup']:.3f} |"
+                  for c, v in sorted(r["per_category"].items())]
+        lines += ["", "acceptance rate by depth (given the parent was accepted): "
+                  + ", ".join(f"{d}: {_fmt(a)}" for d, a in enumerate(r["accept_by_depth"], start=1)),
+                  "", "accepted drafted tokens per pass (histogram, index = count): "
                   + ", ".join(f"{i}: {n}" for i, n in enumerate(r["accept_hist"]))]
+        if r.get("tau_by_turn"):
+            lines += ["", "tau by turn: " + ", ".join(f"turn {t}: {v:.2f}" for t, v in r["tau_by_turn"].items())]
+        if r.get("time_split"):
+            ts = r["time_split"]
+            lines += ["", f"head's time: draft {100 * ts['draft']:.0f}%, verify {100 * ts['verify']:.0f}%, "
+                      f"other {100 * ts['other']:.0f}% (draft: the head drafting and re-reading the accepted path; "
+                      "verify: the target's tree pass, acceptance and cache commit)"]
         if "greedy_mismatches" in r:
-            lines += ["", f"greedy outputs differing from vanilla: {r['greedy_mismatches']} (must be 0)"]
-    lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
+            lines += ["", f"greedy outputs differing from the baseline: {r['greedy_mismatches']} (must be 0)"]
+    lines += ["", "Per-prompt records (tokens, seconds, passes, accepted lengths per method) are in report.json.",
+              "", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
 
 
@@ -124,9 +156,13 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              f"{b['num_draft_tokens']} (tau {b['tau']:.3f}, speedup {b['speedup']:.3f}; SGLang "
              f"--speculative-num-steps {b['depth']} --speculative-eagle-topk {b['topk']} "
              f"--speculative-num-draft-tokens {b['num_draft_tokens'] + 1})", "",
-             "| topk | depth | num_draft_tokens | tau | speedup | tok/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | {r['speedup']:.3f} | "
-              f"{r['tokens_per_s']:.1f} |" for r in sweep["results"]]
+             f"- load average (1, 5, 15 min): {sweep.get('load_average')}; settings and the baseline interleave "
+             "per prompt", "",
+             "| tree | topk | depth | num_draft_tokens | tau | speedup | tok/s | greedy mismatches |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.get('tree', '-')} | {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
+              f"{r['speedup']:.3f} | {r['tokens_per_s']:.1f} | {r.get('greedy_mismatches', '-')} |"
+              for r in sweep["results"]]
     _atomic_text(out / "sweep.md", "\n".join(lines) + "\n")
     _atomic_text(out / "sweep.json", json.dumps(sweep, indent=2))
     return out

