@@ -18,32 +18,64 @@ def serving_target(model: str) -> str:
     return HUB_IDS.get(model, model)
 
 
+def _evaluated(tree: str, topk: int, depth: int, nd: int, static_tree=None) -> dict:
+    """The setting as decoded: num_draft_tokens capped by the one node-cap rule of the decoder."""
+    from eagle_train.decoding import SpecConfig, max_tree_nodes
+
+    cfg = SpecConfig(tree=tree, topk=int(topk), depth=int(depth), num_draft_tokens=int(nd), static_tree=static_tree)
+    return {"tree": tree, "topk": 1 if tree == "chain" else int(topk), "depth": int(depth),
+            "num_draft_tokens": max_tree_nodes(cfg)}
+
+
 def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, str]:
-    """(topk, depth, num_draft_tokens) for the serving commands, and where it came from."""
+    """(tree, topk, depth, num_draft_tokens) for the serving commands, and where it came from."""
     if sweep and sweep.get("best"):
         b = sweep["best"]
-        return {k: int(b[k]) for k in ("topk", "depth", "num_draft_tokens")}, "the best setting `eagle-train sweep` found"
+        tree = b.get("tree") or ("chain" if int(b["topk"]) == 1 else "dynamic")
+        return _evaluated(tree, b["topk"], b["depth"], b["num_draft_tokens"]), "the best setting `eagle-train sweep` found"
     if report and report.get("settings"):
         s = report["settings"]
         if all(k in s for k in ("topk", "depth", "num_draft_tokens")):
-            return {k: int(s[k]) for k in ("topk", "depth", "num_draft_tokens")}, "the eval report's setting"
+            return (_evaluated(s.get("tree", "dynamic"), s["topk"], s["depth"], s["num_draft_tokens"],
+                               s.get("static_tree")), "the eval report's setting")
     e = cfg.eval
-    return {"topk": e.topk, "depth": e.depth, "num_draft_tokens": e.num_draft_tokens}, "the recipe's eval section; no sweep was run"
+    static = [list(x) for x in e.static_tree] if e.static_tree else None
+    return (_evaluated(e.tree, e.topk, e.depth, e.num_draft_tokens, static),
+            "the recipe's eval section; no sweep was run")
+
+
+def chain_setting(setting: dict, report: dict | None, sweep: dict | None) -> tuple[int, str]:
+    """(vLLM num_speculative_tokens, its label): vLLM drafts a chain, so the line carries the
+    measured chain tau, never a tree's."""
+    chains = [r for r in (sweep or {}).get("results", []) if int(r.get("topk", 0)) == 1
+              and not r.get("greedy_mismatches")]
+    if chains:
+        c = max(chains, key=lambda r: r["speedup"])
+        return int(c["depth"]), (f"the best chain the sweep measured: τ {c['tau']:.2f}, speedup "
+                                 f"{c['speedup']:.2f}x")
+    rows = (report or {}).get("results") or []
+    if (report or {}).get("settings", {}).get("tree") == "chain" and rows:
+        return int(report["settings"]["depth"]), f"the evaluated chain: τ {rows[0]['tau']:.2f} ({rows[0]['benchmark']})"
+    return setting["depth"], ("chain τ not measured; run `eagle-train sweep` with 1 in eval.sweep_topk to measure "
+                              "it (the tree τ below does not apply to a chain)")
 
 
 def serving_commands(kind: str, target: str, repo: str, setting: dict, target_revision=None,
-                     head_revision=None) -> tuple[str, str]:
-    """(vLLM command, SGLang command). vLLM drafts a chain of `depth` tokens; SGLang counts the
-    verified root in --speculative-num-draft-tokens, our num_draft_tokens does not (+1)."""
+                     head_revision=None, chain_depth: int | None = None) -> tuple[str, str | None]:
+    """(vLLM command, SGLang command or None). vLLM drafts a chain of `chain_depth` tokens; SGLang
+    serves the evaluated tree exactly, counting the verified root in --speculative-num-draft-tokens
+    (our num_draft_tokens does not: +1). SGLang has no static trees: None for those."""
     topk, depth, ndt = setting["topk"], setting["depth"], setting["num_draft_tokens"]
-    spec = {"method": "eagle3" if kind == "eagle3" else "eagle", "model": repo, "num_speculative_tokens": depth}
+    spec = {"method": "eagle3" if kind == "eagle3" else "eagle", "model": repo,
+            "num_speculative_tokens": chain_depth or depth}
     if head_revision:
         spec["revision"] = head_revision
     vllm = f"vllm serve {target}"
     if target_revision:
         vllm += f" --revision {target_revision}"
     vllm += f" \\\n  --speculative-config '{json.dumps(spec)}'"
-    sg_ndt = depth + 1 if topk == 1 else min(ndt, topk * depth) + 1
+    if setting.get("tree") == "static":
+        return vllm, None
     sglang = f"python -m sglang.launch_server --model {target}"
     if target_revision:
         sglang += f" --revision {target_revision}"
@@ -52,7 +84,7 @@ def serving_commands(kind: str, target: str, repo: str, setting: dict, target_re
     if head_revision:
         sglang += f" --speculative-draft-model-revision {head_revision}"
     sglang += (f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk {topk}"
-               f" --speculative-num-draft-tokens {sg_ndt}")
+               f" --speculative-num-draft-tokens {ndt + 1}")
     return vllm, sglang
 
 
@@ -74,13 +106,17 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
                   f"Draft tree: {s.get('tree', '?')}, topk {s.get('topk', '?')}, depth {s.get('depth', '?')}, "
                   f"{s.get('num_draft_tokens', '?')} draft tokens, {s.get('max_new_tokens', '?')} new tokens. "
                   "τ = mean tokens accepted per target forward pass, bonus token included.", "",
-                  "| benchmark | temperature | τ | speedup | tok/s spec | tok/s vanilla | prompts |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| benchmark | temperature | τ | speedup | tok/s spec | tok/s vanilla | prompts | "
+                  "prompt lookup τ / speedup |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in report["results"]:
+            pls = list((r.get("baselines") or {}).values())
+            pl = max(pls, key=lambda b: b["speedup"]) if pls else None
             lines.append(f"| {r.get('benchmark')} | {_fmt(r.get('temperature'), 1)} | {_fmt(r.get('tau'))} | "
                          f"{_fmt(r.get('speedup'))}{'x' if r.get('speedup') is not None else ''} | "
                          f"{_fmt(r.get('tokens_per_s_spec'), 1)} | {_fmt(r.get('tokens_per_s_vanilla'), 1)} | "
-                         f"{_fmt(r.get('n_prompts'))} |")
+                         f"{_fmt(r.get('n_prompts'))} | "
+                         + (f"{pl['tau']:.2f} / {pl['speedup']:.2f}x |" if pl else "- |"))
         lines.append("")
     if sweep and sweep.get("results"):
         b = sweep.get("best") or {}
@@ -99,7 +135,8 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
     target = serving_target(cfg.target.model)
     repo = cfg.hub.repo_id or "<your-name>/<this-repo>"
     setting, setting_src = best_setting(cfg, report, sweep)
-    vllm, sglang = serving_commands(kind, target, repo, setting, cfg.target.revision, cfg.hub.revision)
+    chain_depth, chain_label = chain_setting(setting, report, sweep)
+    vllm, sglang = serving_commands(kind, target, repo, setting, cfg.target.revision, cfg.hub.revision, chain_depth)
     n_params = sum(p.numel() for n, p in head.named_parameters()
                    if not n.startswith("embed_tokens") and not (kind == "eagle1" and n.startswith("lm_head")))
     name = "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
@@ -117,12 +154,17 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
         + ", trained with eagle-train. It does not generate "
           "text on its own: serve it next to the target with vLLM or SGLang.", "",
         "## Serve it", "",
-        f"Tree setting: topk {setting['topk']}, depth {setting['depth']}, {setting['num_draft_tokens']} draft "
-        f"tokens, from {setting_src}.", "",
-        "vLLM (drafts a chain of `num_speculative_tokens` = depth):", "", "```bash", vllm, "```", "",
-        "SGLang (its `--speculative-num-draft-tokens` counts the verified root token too):", "",
-        "```bash", sglang, "```", "",
+        f"Tree setting: {setting['tree']} tree, topk {setting['topk']}, depth {setting['depth']}, "
+        f"{setting['num_draft_tokens']} draft tokens, from {setting_src}.", "",
+        f"vLLM drafts a chain of `num_speculative_tokens` = {chain_depth} tokens; {chain_label}:", "",
+        "```bash", vllm, "```", "",
     ]
+    if sglang:
+        lines += ["SGLang serves the setting above exactly (its `--speculative-num-draft-tokens` counts the verified "
+                  "root token too):", "", "```bash", sglang, "```", ""]
+    else:
+        lines += ["SGLang has no static trees: the evaluated static tree cannot be served as is; run "
+                  "`eagle-train sweep` for a dynamic-tree setting it serves.", ""]
     lines += eval_section(report, sweep)
     lines += ["## Head", "", "| | |", "|---|---|",
               f"| type | {name} (`{config['architectures'][0]}`) |",

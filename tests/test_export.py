@@ -274,7 +274,9 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     assert "| mt_bench | 0.0 | 2.35 | 1.61x |" in card and "| gsm8k | 1.0 | 1.99 | 1.32x |" in card
     assert "2-core CPU (test)" in card
     assert f"vllm serve {tmp_path}/target" in card
-    assert '{"method": "eagle3", "model": "me/other", "num_speculative_tokens": 5}' in card
+    # vLLM drafts a chain: the sweep's best chain (depth 4) and its own tau, not the tree's
+    assert '{"method": "eagle3", "model": "me/other", "num_speculative_tokens": 4}' in card
+    assert "the best chain the sweep measured: τ 2.10, speedup 1.50x" in card
     assert ("--speculative-algorithm EAGLE3 \\\n  --speculative-draft-model-path me/other \\\n"
             "  --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 17") in card
     assert "trained steps: 1500" in card and "loss 1.2340" in card
@@ -384,3 +386,28 @@ def test_load_head_accepts_hub_id(good_export, tiny_llama, monkeypatch):
     assert asked == ["me/tiny-eagle3"] and head.config.draft_vocab_size == 100
     with pytest.raises(FileNotFoundError, match="me/missing: no such folder"):
         load_head("me/missing", target=tiny_llama)
+
+
+def test_card_serves_exactly_the_evaluated_tree():
+    """SGLang's flags are the evaluated setting, capped by the decoder's own node-cap rule
+    (topk + (depth-1) * topk^2 drafted nodes), tree type included; no static tree is offered."""
+    from eagle_train import model_card
+    from eagle_train.recipe import load_recipe
+
+    cfg = load_recipe("recipes/smollm2-135m-eagle3.yaml")
+    report = {"settings": {"tree": "dynamic", "topk": 4, "depth": 3, "num_draft_tokens": 48}}
+    setting, _ = model_card.best_setting(cfg, report, None)
+    assert setting == {"tree": "dynamic", "topk": 4, "depth": 3, "num_draft_tokens": 4 + 2 * 16}
+    _, sglang = model_card.serving_commands("eagle3", "t", "me/h", setting)
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 37" in sglang
+    sweep = {"best": {"tree": "chain", "topk": 1, "depth": 5, "num_draft_tokens": 5, "tau": 2.0, "speedup": 1.2}}
+    setting, _ = model_card.best_setting(cfg, report, sweep)
+    _, sglang = model_card.serving_commands("eagle3", "t", "me/h", setting)
+    assert "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6" in sglang
+    static = {"settings": {"tree": "static", "topk": 4, "depth": 3, "num_draft_tokens": 8,
+                           "static_tree": [[0], [1], [0, 0]]}}
+    setting, _ = model_card.best_setting(cfg, static, None)
+    assert setting["tree"] == "static" and setting["num_draft_tokens"] == 3
+    assert model_card.serving_commands("eagle3", "t", "me/h", setting)[1] is None
+    depth, label = model_card.chain_setting(setting, static, None)
+    assert depth == 3 and "chain τ not measured" in label
