@@ -1,8 +1,12 @@
-"""`eagle-train push recipe.yaml [--dry-run] [--private] [--revision R] [key=value ...]`
+"""`eagle-train push recipe.yaml [--dry-run] [--private] [--delete-stale] [--revision R] [key=value ...]`
 
 Uploads the exported folder (`hub.export_dir`, written by `eagle-train export`) to the Hugging Face
-Hub repo `hub.repo_id` with huggingface_hub's create_repo + upload_folder. The flags can also be
-set as hub.dry_run / hub.private / hub.revision. Before anything touches the network the folder
+Hub repo `hub.repo_id` in one commit (huggingface_hub's create_repo + create_commit). The flags can
+also be set as hub.dry_run / hub.private / hub.delete_stale / hub.revision. Visibility is sent only
+when asked (--private), so a new repo otherwise gets the owner's default (an organisation may make
+repos private by default); an existing repo keeps its visibility, and a warning says so when
+--private meets a public one. Files in the repo that the export no longer has are listed, and
+deleted in the same commit with --delete-stale. Before anything touches the network the folder
 must pass the export check and a token must be found (env `hub.token_env`, then HF_TOKEN, then a
 saved `hf auth login`); the token is passed to the client and never printed.
 """
@@ -37,11 +41,34 @@ def _scrub(text: str, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
-def main(cfg, dry_run: bool = False, private: bool = False, revision: str | None = None) -> int:
+def _remote(api, repo_id: str, revision: str | None):
+    """(exists, is private, files at `revision`) of the hub repo; (False, None, []) when it is new."""
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = api.model_info(repo_id)
+    except RepositoryNotFoundError:
+        return False, None, []
+    except HfHubHTTPError as err:  # a plain 404 without the hub's error code
+        if getattr(err.response, "status_code", None) == 404:
+            return False, None, []
+        raise
+    files = [s.rfilename for s in info.siblings or []]
+    if revision and revision != "main":
+        try:
+            files = [s.rfilename for s in api.model_info(repo_id, revision=revision).siblings or []]
+        except RevisionNotFoundError:
+            files = []
+    return True, info.private, files
+
+
+def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str | None = None,
+         delete_stale: bool = False) -> int:
     from eagle_train.export import check_export
 
     hub = cfg.hub
-    dry_run, private = dry_run or hub.dry_run, private or hub.private
+    dry_run, delete_stale = dry_run or hub.dry_run, delete_stale or hub.delete_stale
+    private = True if private else hub.private  # None: leave visibility to the owner's default
     revision = revision or hub.revision
     folder = Path(hub.export_dir)
     if not hub.repo_id:
@@ -64,19 +91,31 @@ def main(cfg, dry_run: bool = False, private: bool = False, revision: str | None
         raise PushError(f"no Hugging Face token: set the environment variable {hub.token_env}"
                         + ("" if hub.token_env == "HF_TOKEN" else " (or HF_TOKEN)")
                         + " or run `hf auth login`; nothing was uploaded")
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     endpoint = hub.endpoint or os.environ.get("HF_ENDPOINT") or None
     api = HfApi(endpoint=endpoint, token=token)
+    names = [str(f.relative_to(folder)) for f in files]
     try:
+        exists, is_private, remote = _remote(api, hub.repo_id, revision)
+        if exists and private and not is_private:
+            print(f"[push] warning: {hub.repo_id} already exists and is public; --private does not change an "
+                  "existing repo's visibility (change it in the repo's settings)", file=sys.stderr)
+        stale = sorted(set(remote) - set(names) - {".gitattributes"})
+        if stale and not delete_stale:
+            print(f"[push] warning: {hub.repo_id} has {len(stale)} file(s) this export does not: {', '.join(stale)}; "
+                  "push with --delete-stale (hub.delete_stale=true) to remove them", file=sys.stderr)
         url = api.create_repo(hub.repo_id, repo_type="model", private=private, exist_ok=True)
         if revision and revision != "main":
             api.create_branch(hub.repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(repo_id=hub.repo_id, folder_path=str(folder), revision=revision,
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(f)) for n, f in zip(names, files)]
+        ops += [CommitOperationDelete(path_in_repo=n) for n in stale] if delete_stale else []
+        info = api.create_commit(repo_id=hub.repo_id, operations=ops, revision=revision,
                                  commit_message=f"eagle-train export of {cfg.head.type} head for {cfg.target.model}")
     except Exception as err:  # report without a traceback that could carry request headers
         raise PushError(f"upload to {where} failed: {type(err).__name__}: {_scrub(str(err), token)}") from None
-    print(f"[push] uploaded {len(files)} files to {url} ({getattr(info, 'commit_url', '')})")
+    deleted = f", deleted {len(stale)} stale" if delete_stale and stale else ""
+    print(f"[push] uploaded {len(files)} files{deleted} to {url} ({getattr(info, 'commit_url', '')})")
     return 0
 
 
@@ -85,13 +124,15 @@ def cli(argv) -> int:
 
     ap = argparse.ArgumentParser(prog="eagle-train push", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded")
-    ap.add_argument("--private", action="store_true", help="create the repo private")
+    ap.add_argument("--private", action="store_true",
+                    help="create the repo private (default: the owner's default visibility)")
+    ap.add_argument("--delete-stale", action="store_true", help="delete repo files the export no longer has")
     ap.add_argument("--revision", help="branch to push to (created when missing)")
     args, rest = ap.parse_known_args(list(argv))
     path, overrides = split_args(rest)
     cfg = load_recipe(path, overrides)
     try:
-        return main(cfg, args.dry_run, args.private, args.revision)
+        return main(cfg, args.dry_run, args.private, args.revision, args.delete_stale)
     except PushError as err:
         print(f"eagle-train push: error: {err}", file=sys.stderr)
         return 1

@@ -26,13 +26,16 @@ class FakeHub(BaseHTTPRequestHandler):
 
     requests: list = []
     fail_create: bool = False
+    existing: dict | None = None  # {"private": bool, "files": [...]} for a repo already on the hub
 
     def log_message(self, *args):  # keep pytest output clean
         pass
 
-    def _reply(self, code, body):
+    def _reply(self, code, body, headers=()):
         data = json.dumps(body).encode()
         self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -40,7 +43,11 @@ class FakeHub(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.requests.append({"method": "GET", "path": self.path, "auth": self.headers.get("Authorization")})
-        self._reply(404, {"error": "Repository not found"})
+        if self.path.startswith("/api/models/") and self.existing is not None:
+            repo = self.path.split("/api/models/")[1].split("/revision/")[0].split("?")[0]
+            return self._reply(200, {"id": repo, "private": self.existing["private"], "sha": "b" * 40,
+                                     "siblings": [{"rfilename": f} for f in self.existing["files"]]})
+        self._reply(404, {"error": "Repository not found"}, [("X-Error-Code", "RepoNotFound")])
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -71,6 +78,7 @@ class FakeHub(BaseHTTPRequestHandler):
 def fake_hub():
     FakeHub.requests = []
     FakeHub.fail_create = False
+    FakeHub.existing = None
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -146,13 +154,13 @@ def test_push_uploads_to_local_hub(recipe, exported, capsys, fake_hub, monkeypat
     endpoint, server = fake_hub
     monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
     assert hub.cli([recipe, "--private", "--revision", "v1", f"hub.endpoint={endpoint}"]) == 0
-    paths = [r["path"] for r in server.requests]
+    paths = [r["path"] for r in server.requests if r["method"] == "POST"]
     assert paths[0] == "/api/repos/create"
     assert "/api/models/me/tiny-eagle3/branch/v1" in paths
     assert "/api/models/me/tiny-eagle3/preupload/v1" in paths
     assert paths[-1] == "/api/models/me/tiny-eagle3/commit/v1"
     assert all(r["auth"] == f"Bearer {SECRET}" for r in server.requests)
-    create = json.loads(server.requests[0]["body"])
+    create = json.loads(next(r["body"] for r in server.requests if r["path"] == "/api/repos/create"))
     assert create["name"] == "tiny-eagle3" and create["organization"] == "me" and create["visibility"] == "private"
     # the commit carries every file of the export, byte for byte
     lines = [json.loads(line) for line in server.requests[-1]["body"].decode().splitlines()]
@@ -174,7 +182,7 @@ def test_push_error_never_shows_token(recipe, capsys, fake_hub, monkeypatch):
     captured = capsys.readouterr()
     assert "upload to me/tiny-eagle3 failed" in captured.err and "***" in captured.err
     assert SECRET not in captured.out + captured.err
-    assert server.requests and server.requests[0]["auth"] == f"Bearer {SECRET}"
+    assert server.requests and all(r["auth"] == f"Bearer {SECRET}" for r in server.requests)
 
 
 def test_push_needs_repo_id(tmp_path, exported, capsys, no_token):
@@ -182,3 +190,40 @@ def test_push_needs_repo_id(tmp_path, exported, capsys, no_token):
     path.write_text(f"target: {{model: tiny}}\ndata: {{source: x}}\nhub: {{export_dir: {exported}}}\n")
     assert hub.cli([str(path), "--dry-run"]) == 1
     assert "hub.repo_id" in capsys.readouterr().err
+
+
+def _create_payload(server):
+    return json.loads(next(r["body"] for r in server.requests if r["path"] == "/api/repos/create"))
+
+
+def _commit_lines(server):
+    return [json.loads(line) for line in server.requests[-1]["body"].decode().splitlines()]
+
+
+def test_push_leaves_visibility_to_the_owner_unless_asked(recipe, capsys, fake_hub, monkeypatch):
+    """Without --private no visibility is sent, so an organisation's private default holds."""
+    endpoint, server = fake_hub
+    monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
+    assert hub.cli([recipe, f"hub.endpoint={endpoint}"]) == 0
+    create = _create_payload(server)
+    assert "visibility" not in create and "private" not in create
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_private_on_an_existing_public_repo_warns_and_stale_files_are_listed_or_deleted(recipe, capsys, fake_hub,
+                                                                                         monkeypatch):
+    endpoint, server = fake_hub
+    monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
+    server.existing = {"private": False, "files": [".gitattributes", "README.md", "config.json", "model.safetensors",
+                                                   "pytorch_model.bin"]}
+    assert hub.cli([recipe, "--private", f"hub.endpoint={endpoint}"]) == 0
+    err = capsys.readouterr().err
+    assert "already exists and is public" in err and "--private does not change" in err
+    assert "pytorch_model.bin" in err and "--delete-stale" in err
+    assert not any(line["key"] == "deletedFile" for line in _commit_lines(server))
+
+    server.requests = []
+    assert hub.cli([recipe, "--delete-stale", f"hub.endpoint={endpoint}"]) == 0
+    out, err = capsys.readouterr()
+    deleted = [line["value"]["path"] for line in _commit_lines(server) if line["key"] == "deletedFile"]
+    assert deleted == ["pytorch_model.bin"] and "deleted 1 stale" in out and "already exists" not in err
