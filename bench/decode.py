@@ -7,12 +7,15 @@ Drafters: `random` (an untrained EAGLE-3 head: tau ~ 1, so this row is the pure 
 drafting + tree verification), `oracle` (proposes the target's own greedy continuation: tau =
 depth + 1, the ceiling this machine allows for each tree), `oracle70` (the oracle ranks a wrong
 token first 30% of the time), and `--head` (a trained head folder). Greedy, first turns of the
-MT-bench prompts, 1 thread; every speculative output is checked equal to vanilla.
+MT-bench prompts, 1 thread; every speculative output is checked equal to vanilla. transformers'
+prompt lookup (`prompt_lookup_num_tokens` 3 and 10) runs beside them: the free drafter a head
+must beat (tau = tokens per counted target pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -26,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
-from eagle_train.decoding import SpecConfig, speculative_generate, timed, vanilla_generate  # noqa: E402
+from eagle_train.decoding import (SpecConfig, prompt_lookup_generate, speculative_generate, timed,  # noqa: E402
+                                  vanilla_generate)
 from eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 
 SETTINGS = [
@@ -91,6 +95,8 @@ def main():
     prompts = load_prompts(resolve_benchmark("mt_bench"), args.prompts)
     eos = tok.eos_token_id
     vanilla_generate(model, render(tok, [{"role": "user", "content": "hi"}]), 2)  # warm-up
+    prompt_lookup_generate(model, render(tok, [{"role": "user", "content": "hi"}]), 2, 3)
+    load = [round(x, 2) for x in os.getloadavg()]
     items = []
     n_v = t_v = 0.0
     for p in prompts:
@@ -105,6 +111,15 @@ def main():
     if trained is not None:
         drafters["trained"] = lambda ids, ref: trained
     rows = []
+    for n_pl in (3, 10):
+        n = t_s = passes = 0
+        for ids, ref in items:
+            (out, ps), t = timed(prompt_lookup_generate, model, ids, args.max_new_tokens, n_pl, eos_token_id=eos)
+            assert out == ref, f"prompt lookup {n_pl}: greedy output differs from generate"
+            n, t_s, passes = n + len(out), t_s + t, passes + ps
+        rows.append(("prompt lookup", f"{n_pl} tokens", n / passes, n / t_s, n / t_s / tps_v))
+        print(f"prompt lookup {n_pl:2d} tokens  tau {n / passes:.2f}  {n / t_s:6.1f} tok/s  "
+              f"speedup {n / t_s / tps_v:.2f}", flush=True)
     for name, make in drafters.items():
         for _, s in SETTINGS:
             n = t_s = 0.0
@@ -129,10 +144,11 @@ def main():
             f"`python bench/decode.py --prompts {args.prompts} --max-new-tokens {args.max_new_tokens}"
             f"{' --head ' + args.head if args.head else ''}` ({time.strftime('%Y-%m-%d')}): SmolLM2-135M-Instruct fp32, "
             f"greedy, first turns of {len(items)} MT-bench prompts, {platform.processor() or 'CPU'} with 1 thread "
-            f"on 2 shared cores (other jobs running: timings vary){head_note}. Every speculative output equals "
+            f"on 2 shared cores, load average {load} at start{head_note}. Every speculative output equals "
             "`generate`. random = untrained EAGLE-3 head (the overhead of drafting + verification), oracle = "
             "drafts the target's own greedy tokens (the ceiling of each tree on this machine), oracle70 = the "
-            "oracle ranks a wrong token first 30% of the time.", "", *table, ""])
+            "oracle ranks a wrong token first 30% of the time; prompt lookup = transformers' n-gram drafter "
+            "(tau = tokens per target pass, its prefill included).", "", *table, ""])
         record("Decoding", text)
 
 

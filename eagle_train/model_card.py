@@ -32,7 +32,8 @@ def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, st
     if sweep and sweep.get("best"):
         b = sweep["best"]
         tree = b.get("tree") or ("chain" if int(b["topk"]) == 1 else "dynamic")
-        return _evaluated(tree, b["topk"], b["depth"], b["num_draft_tokens"]), "the best setting `eagle-train sweep` found"
+        return (_evaluated(tree, b["topk"], b["depth"], b["num_draft_tokens"]),
+                "the best setting `eagle-train sweep` found")
     if report and report.get("settings"):
         s = report["settings"]
         if all(k in s for k in ("topk", "depth", "num_draft_tokens")):

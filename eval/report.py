@@ -53,7 +53,8 @@ def report_markdown(rep: dict) -> str:
              f"- load average (1, 5, 15 min) at start {load.get('start')}, at end {load.get('end')}: timings on a "
              "busy machine are slower for every method alike (they interleave per prompt)",
              f"- tree: {s['tree']} (topk {s['topk']}, depth {s['depth']}, num_draft_tokens {s['num_draft_tokens']}"
-             f" root excluded), max_new_tokens {s['max_new_tokens']}, top_p {s.get('top_p')}, top_k {s.get('top_k', 0)}",
+             f" root excluded), max_new_tokens {s['max_new_tokens']}, top_p {s.get('top_p')}, "
+             f"top_k {s.get('top_k', 0)}",
              *([] if rep.get("complete", True) else ["- **incomplete**: the run stopped or is still going; the "
                                                       "benchmarks below are finished"]),
              "",
