@@ -341,7 +341,10 @@ def setup(cfg):
         raise FileNotFoundError(f"eval.head = {cfg.eval.head}: no head there; train one with "
                                 f"`accelerate launch eagle_train/train.py <recipe.yaml>` or set eval.head=<folder> "
                                 "(a training output, an `eagle-train export` folder or a hub id)")
-    head = load_head(cfg.eval.head)  # target embeddings only after the shapes are checked
+    try:
+        head = load_head(cfg.eval.head)  # target embeddings only after the shapes are checked
+    except ValueError:  # an export naming no aux layers takes the target's default ones
+        head = load_head(cfg.eval.head, target=model)
     check_head_fits(head, model, cfg.eval.head)
     head.load_target_embeddings(model)
     head = head.to(model.device).eval()
