@@ -59,7 +59,9 @@ def report_markdown(rep: dict) -> str:
                                                       "benchmarks below are finished"]),
              "",
              "tau = tokens per target pass (accepted drafted tokens + the bonus token; tokens cut at EOS or the "
-             "budget not counted). speedup = the method's tokens/s over the baseline's (`generate`, plain argmax at "
+             "budget not counted; the head's prefill pass drafts nothing and is left out, prompt lookup's prefill "
+             "already verifies a draft and is counted). speedup = the method's tokens/s over the baseline's "
+             "(`generate`, plain argmax at "
              "T=0), measured on the same prompts in the same run. [a, b] = 95% bootstrap interval over prompts.", "",
              "| benchmark | T | prompts | method | tau | speedup | tok/s | greedy mismatches |",
              "|---|---|---|---|---|---|---|---|"]
