@@ -112,8 +112,10 @@ def test_oracle_tau_is_depth_plus_one(smollm2, prompts_and_refs, mode):
     out, stats = speculative_generate(model, OracleHead(ids[0].tolist() + ref, model.config.vocab_size),
                                       ids, cfg, eos_token_id=tok.eos_token_id)
     assert out == ref
-    tau = sum(a + 1 for a in stats["accept_lengths"]) / stats["passes"]
-    assert tau == cfg.depth + 1
+    # every pass accepts the whole depth; the last one keeps only what the budget leaves (15 = 3 * 4 + 3)
+    *full, last = stats["accept_lengths"]
+    assert full == [cfg.depth] * len(full) and last + 1 == (MAX_NEW - 1) % (cfg.depth + 1)
+    assert sum(a + 1 for a in stats["accept_lengths"]) == len(out) - 1
 
 
 def test_eos_and_budget_stop_like_generate():
