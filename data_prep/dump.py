@@ -117,6 +117,8 @@ def dump_header(cfg, model) -> dict:
                  "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
         "head": {"type": cfg.head.type, "aux_layers": aux},
     }
+    if cfg.regen.enabled:  # the replies are the target's: what generated them is part of the features' identity
+        settings["regen"] = {k: cfg.regen[k] for k in ("max_new_tokens", "temperature", "top_p", "max_turns", "seed")}
     settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))
     vocab = model.get_output_embeddings().weight.shape[0]
     return {

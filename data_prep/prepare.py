@@ -105,11 +105,16 @@ def main(cfg) -> dict:
         raise ValueError(f"target.model={cfg.target.model!r}: the tokenizer has no chat template; "
                          "prep renders conversations with the target's own template")
 
-    # 1. read + normalize (bad records are counted, never fatal)
+    # 1. read + normalize (bad records are counted, never fatal); regen.enabled: the target's own replies
+    source, fmt, limit = d.source, d.format, d.max_conversations
+    if cfg.regen.enabled:
+        from data_prep.regenerate import regenerated_source
+
+        source, fmt, limit = regenerated_source(cfg), "messages", None
     skips = Skips()
     rows = []
-    bar = tqdm(read_conversations(d.source, d.format, d.split, skips, d.max_conversations),
-               total=d.max_conversations, desc="read", unit="conv", dynamic_ncols=True)
+    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit),
+               total=limit, desc="read", unit="conv", dynamic_ncols=True)
     for conv in bar:
         msgs = conv.messages
         if d.system_prompt is not None and msgs[0]["role"] != "system":
@@ -147,7 +152,7 @@ def main(cfg) -> dict:
     loss_tokens = sum(sum(m) for m in good["loss_mask"])
     tokens = sum(lengths)
     stats = {
-        "source": d.source,
+        "source": source,
         "target": cfg.target.model,
         "max_length": d.max_length,
         "conversations": {"read": n_read, "kept": len(good), "train": len(train), "eval": len(evl),

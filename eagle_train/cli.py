@@ -1,5 +1,6 @@
 """`eagle-train <stage> recipe.yaml [key=value ...]`: one console command, one module per stage.
 
+    regen   data_prep/regenerate.py  the target answers the corpus' user turns (regen.enabled: prep reads them)
     prep    data_prep/prepare.py   chat corpus -> tokenized dataset with assistant-only loss mask
     dump    data_prep/dump.py      frozen target -> sharded safetensors features (offline training)
     train   eagle_train/train.py   train the head (for several processes use `accelerate launch`)
@@ -16,6 +17,7 @@ import importlib
 import sys
 
 STAGES = {
+    "regen": ("data_prep.regenerate", "cli"),
     "prep": ("data_prep.prepare", "cli"),
     "dump": ("data_prep.dump", "cli"),
     "train": ("eagle_train.train", "cli"),

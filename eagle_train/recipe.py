@@ -66,6 +66,28 @@ class DataConfig:
 
 
 @dataclass
+class RegenConfig:
+    # prep reads the target's own replies from `output` (written by `eagle-train regen`) instead of
+    # the corpus replies; the corpus still gives the system prompts and user turns
+    enabled: bool = False
+    # folder of jsonl shards + regen.json
+    output: str = "${output_dir}/regen"
+    # new tokens per reply; a reply cut there ends its conversation (counted as capped)
+    max_new_tokens: int = 512
+    # 0: greedy (what greedy serving drafts against); > 0: sampled with this temperature and top_p
+    temperature: float = 0.0
+    top_p: float = 1.0
+    # answer at most this many user turns per conversation (None: all)
+    max_turns: Optional[int] = None
+    # prompts per generate batch (length-sorted, left-padded)
+    batch_size: int = 16
+    # conversations per shard (the unit of resume and of data-parallel work)
+    shard_size: int = 64
+    # sampling seed (mixed with the shard index, so a redone shard is the same)
+    seed: int = 0
+
+
+@dataclass
 class DumpConfig:
     # folder of safetensors shards + manifest.json
     output: str = "${output_dir}/dump"
@@ -235,6 +257,7 @@ class HubConfig:
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
     dump: DumpConfig = field(default_factory=DumpConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -318,7 +341,7 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         if value is not None and str(value) not in allowed:
             problems.append(f"`{key}` = {value!r} is not one of {', '.join(allowed)}")
-    positive = ["data.max_length", "dump.topk", "dump.shard_size_mb", "dump.batch_tokens",
+    positive = ["data.max_length", "regen.max_new_tokens", "regen.batch_size", "regen.shard_size", "dump.topk", "dump.shard_size_mb", "dump.batch_tokens",
                 "head.draft_vocab_size", "train.max_steps", "train.micro_batch_size",
                 "train.grad_accum", "train.ttt_steps", "eval.max_new_tokens", "eval.topk",
                 "eval.depth", "eval.num_draft_tokens"]
@@ -336,6 +359,10 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
     if any(t < 0 for t in cfg.eval.temperatures):
         problems.append(f"`eval.temperatures` = {list(cfg.eval.temperatures)} must be >= 0")
+    if cfg.regen.temperature < 0:
+        problems.append(f"`regen.temperature` = {cfg.regen.temperature} must be >= 0 (0: greedy)")
+    if not 0 < cfg.regen.top_p <= 1:
+        problems.append(f"`regen.top_p` = {cfg.regen.top_p} must be in (0, 1]")
     if not 0 < cfg.eval.top_p <= 1:
         problems.append(f"`eval.top_p` = {cfg.eval.top_p} must be in (0, 1]")
     if problems:
