@@ -45,10 +45,12 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from eagle_train.eagle3 import default_aux_layers
+from eagle_train.dump_reader import sha256_file
+from eagle_train.eagle3 import check_aux_layers
+from eagle_train.errors import DumpError
 from eagle_train.features import quantize_fp8, target_features
 from eagle_train.recipe import RecipeError, load_recipe, split_args
-from eagle_train.target import DTYPES, load_target, resolve_device, target_id
+from eagle_train.target import DTYPES, load_target, model_digest, resolve_device, target_id
 
 FORMAT = "eagle-train-dump/1"
 # called as on_shard_written(folder, record) after each shard and its record are on disk (tests, monitors)
@@ -101,13 +103,7 @@ def dump_header(cfg, model) -> dict:
     """Everything the features depend on; stored in the manifest and compared on reruns."""
     conf = model.config.get_text_config()
     n = conf.num_hidden_layers
-    aux = None
-    if cfg.head.type == "eagle3":
-        aux = list(cfg.head.aux_layers) if cfg.head.aux_layers is not None else default_aux_layers(n)
-        bad = [i for i in aux if not 0 <= i <= n]
-        if bad:
-            raise RecipeError(f"head.aux_layers = {aux}: {bad} out of range for a {n}-layer target "
-                              f"(HF hidden_states indices 0..{n})")
+    aux = check_aux_layers(cfg.head.aux_layers, n) if cfg.head.type == "eagle3" else None
     t, d = cfg.target, cfg.data
     settings = {
         "target": {"model": target_id(t), "revision": t.revision, "gguf_file": t.gguf_file, "dtype": t.dtype},
@@ -126,6 +122,8 @@ def dump_header(cfg, model) -> dict:
         "target_id": target_id(t),
         "revision": t.revision,
         "commit": getattr(model.config, "_commit_hash", None),
+        "target_digest": model_digest(model, t.dtype),
+        "tokenizer_digest": _corpus_tokenizer_digest(cfg),
         "aux_layers": aux,
         "head_type": cfg.head.type,
         "storage": cfg.dump.storage,
@@ -134,13 +132,15 @@ def dump_header(cfg, model) -> dict:
         "hidden_size": conf.hidden_size,
         "num_layers": n,
         "vocab_size": vocab,
+        "max_length": d.max_length,
         "recipe_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
         "settings": settings,
     }
 
 
 # header field -> recipe key the user changes, checked in this order on a rerun
-IDENTITY = [("format", None), ("target_id", "target.model"), ("revision", "target.revision"),
+IDENTITY = [("format", None), ("target_id", "target.model"), ("target_digest", "target.model (its weights)"),
+            ("revision", "target.revision"),
             ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
             ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("recipe_hash", None)]
 
@@ -153,8 +153,15 @@ def check_folder(out: Path, header: dict) -> None:
             raise RecipeError(f"{out} (dump.output) holds shards but no manifest.json; it is not a dump this "
                               f"recipe can resume. Use another dump.output or delete the folder.")
         return
-    old = json.loads(path.read_text())
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        _check_records(out, header)
+        print(f"[dump] {path} is unreadable; rebuilding it from the progress/ records", file=sys.stderr)
+        return
     for field, key in IDENTITY:
+        if field == "target_digest" and field not in old:  # a dump from before digests were recorded
+            continue
         if old.get(field) != header[field]:
             what = f"`{key}`" if key else field
             if field == "recipe_hash":
@@ -165,6 +172,26 @@ def check_folder(out: Path, header: dict) -> None:
             raise RecipeError(f"{out} (dump.output) holds a dump with {field} = {old.get(field)!r}, but this recipe "
                               f"gives {header[field]!r} ({what}); refusing to mix them. "
                               f"Use another dump.output or delete the folder.")
+
+
+def _check_records(out: Path, header: dict) -> None:
+    """With manifest.json unreadable, the shard records still say which recipe made them."""
+    try:
+        recs = read_records(out)
+    except DumpError:
+        recs = None
+    hashes = {r.get("recipe_hash") for r in (recs or {}).values()}
+    if recs is None or hashes - {header["recipe_hash"]}:
+        raise DumpError(f"{out}/manifest.json is unreadable and its progress/ records do not show this recipe made "
+                        "the shards; use another dump.output or delete the folder")
+
+
+def _corpus_tokenizer_digest(cfg):
+    """The tokenizer + chat template digest `eagle-train prep` recorded for the corpus (None: not recorded)."""
+    try:
+        return json.loads((Path(cfg.data.output) / "stats.json").read_text()).get("tokenizer_digest")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list:
@@ -209,14 +236,6 @@ def plan_batches(rows, lengths, batch_tokens: int) -> List[List[int]]:
     return batches
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -226,7 +245,11 @@ def write_json(path: Path, obj) -> None:
 def read_records(out: Path) -> Dict[str, dict]:
     recs = {}
     for p in sorted((out / "progress").glob("shard-*.json")):
-        rec = json.loads(p.read_text())
+        try:
+            rec = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DumpError(f"{p}: shard record is not valid JSON; delete it and the shard {p.stem} beside it "
+                            "and rerun the dump (it redoes that shard's samples)") from None
         recs[rec["file"]] = rec
     return recs
 
@@ -276,8 +299,9 @@ class ShardWriter:
 
     Writes run on one background thread so the target keeps computing; at most one shard waits."""
 
-    def __init__(self, out: Path, rank: int, start: int, shard_bytes: int, ids_dtype):
+    def __init__(self, out: Path, rank: int, start: int, shard_bytes: int, ids_dtype, recipe_hash: str = None):
         self.out, self.rank, self.n, self.shard_bytes, self.ids_dtype = out, rank, start, shard_bytes, ids_dtype
+        self.recipe_hash = recipe_hash  # in every record: a lost manifest can be rebuilt from them
         self.samples, self.bytes = [], 0
         self.pool, self.pending = ThreadPoolExecutor(1), None
         self.written = []
@@ -324,7 +348,8 @@ class ShardWriter:
         os.replace(tmp, path)
         rec = {"file": name, "num_samples": len(samples), "num_tokens": int(sum(lengths)),
                "bytes": path.stat().st_size, "sha256": digest,
-               "ids": [s[1] for s in samples], "rows": [s[0] for s in samples], "lengths": lengths}
+               "ids": [s[1] for s in samples], "rows": [s[0] for s in samples], "lengths": lengths,
+               "recipe_hash": self.recipe_hash}
         write_json(self.out / "progress" / (name + ".json"), rec)
         if on_shard_written is not None:
             on_shard_written(self.out, rec)
@@ -350,7 +375,8 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
     ids = ds.data.column("id").to_pylist() if len(ds) else []
     mine = [int(r.split("-")[2].split(".")[0]) for r in recs if r.startswith(f"shard-r{rank:03d}-")]
     ids_dtype = torch.uint16 if header["vocab_size"] <= 65536 else torch.int32
-    writer = ShardWriter(out, rank, max(mine, default=-1) + 1, int(dcfg.shard_size_mb * 2**20), ids_dtype)
+    writer = ShardWriter(out, rank, max(mine, default=-1) + 1, int(dcfg.shard_size_mb * 2**20), ids_dtype,
+                         header["recipe_hash"])
     device = next(model.parameters()).device
     storage = header["storage"] if header["head_type"] == "eagle3" else "full"
 
@@ -411,8 +437,6 @@ def merge_manifest(out: Path, header: dict, rows: np.ndarray) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(cli(sys.argv[1:]))
-    except (RecipeError, FileNotFoundError) as err:
-        print(f"data_prep.dump: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("dump", cli, sys.argv[1:]))

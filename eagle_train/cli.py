@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 STAGES = {
@@ -27,6 +28,13 @@ STAGES = {
     "check": ("eagle_train.export", "check_cli"),
     "push": ("eagle_train.hub", "cli"),
 }
+# recipe sections each stage reads (shown by `eagle-train <stage> --help`)
+READS = {
+    "regen": "target, data, regen", "prep": "target, data, regen", "dump": "target, data, dump, head",
+    "train": "target, data, dump, head, train", "eval": "target, head, eval", "sweep": "target, head, eval",
+    "export": "target, head, train, eval, hub", "check": "hub, target (when given a recipe)", "push": "hub",
+}
+ARGPARSE = ("check", "push")  # these parse their own options and answer --help themselves
 
 
 def main(argv=None) -> int:
@@ -35,13 +43,40 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, func = STAGES[argv[0]]
-    from eagle_train.recipe import RecipeError
+    return run_stage(argv[0], lambda args: getattr(importlib.import_module(module), func)(args), argv[1:])
 
+
+def run_stage(stage: str, func, argv) -> int:
+    """Run one stage's `cli(argv)`: `--help` prints its usage; a user-fixable error (EagleError,
+    a missing file) prints one line and returns 2; `--debug` or EAGLE_TRAIN_DEBUG=1 re-raises it."""
+    from eagle_train.errors import EagleError
+
+    argv = list(argv)
+    debug = "--debug" in argv or os.environ.get("EAGLE_TRAIN_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if stage not in ARGPARSE and any(a in ("-h", "--help") for a in argv):
+        print(stage_help(stage))
+        return 0
     try:
-        return getattr(importlib.import_module(module), func)(argv[1:]) or 0
-    except (RecipeError, FileNotFoundError) as err:
-        print(f"eagle-train {argv[0]}: error: {err}", file=sys.stderr)
+        return func(argv) or 0
+    except (EagleError, FileNotFoundError) as err:
+        if debug:
+            raise
+        print(f"eagle-train {stage}: error: {one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+
+
+def one_line(err: BaseException) -> str:
+    """The message on one line (a recipe's list of problems joined by spaces)."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def stage_help(stage: str) -> str:
+    module = importlib.import_module(STAGES[stage][0])
+    return (f"eagle-train {stage} recipe.yaml [key=value ...] [--debug]\n\n{(module.__doc__ or '').strip()}\n\n"
+            f"Recipe sections read: {READS[stage]} (every key: eagle_train/recipe.py).\n"
+            f"Example: eagle-train {stage} recipes/smollm2-135m-eagle3.yaml output_dir=outputs/try\n"
+            "--debug (or EAGLE_TRAIN_DEBUG=1): show the full traceback of an error.")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Hidden features come back dequantized as `dtype` (float32 by default) whatever t
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -25,7 +26,33 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from eagle_train.errors import DumpError
 from eagle_train.features import dequantize_fp8
+
+# manifest field -> the recipe key that sets it: offline training checks the dump against the
+# recipe on these (a dump made with other aux layers would train a head whose config lies)
+CONTRACT = [("target_id", "target.model"), ("target_digest", "target.model (its weights)"),
+            ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
+            ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("max_length", "data.max_length"),
+            ("hidden_size", "target.model"), ("num_layers", "target.model"), ("vocab_size", "target.model")]
+
+
+def check_contract(manifest: dict, expected: dict, folder) -> None:
+    """Stop when the dump was made for another target or head than the recipe says (fields the
+    manifest predates are skipped); names the key and both values."""
+    for field, key in CONTRACT:
+        if field in manifest and field in expected and manifest[field] != expected[field]:
+            raise DumpError(f"{folder}/manifest.json: the dump has {field} = {manifest[field]!r} but the recipe "
+                            f"gives {expected[field]!r} (`{key}`); set {key} to the dump's value or dump again "
+                            "with this recipe into another dump.output")
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class FeatureDataset(Dataset):
@@ -35,7 +62,12 @@ class FeatureDataset(Dataset):
         if not path.is_file():
             raise FileNotFoundError(f"no dump at {self.folder} (manifest.json missing); "
                                     f"create it with `eagle-train dump <recipe>`")
-        self.manifest = json.loads(path.read_text())
+        try:
+            self.manifest = json.loads(path.read_text())
+            self.manifest["shards"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise DumpError(f"{path} is damaged (not the JSON the dump writes); rerun `eagle-train dump <recipe>` "
+                            "with the same recipe: it rebuilds the manifest from the progress/ records") from None
         if not self.manifest.get("complete"):
             raise FileNotFoundError(f"the dump at {self.folder} is incomplete (interrupted?); rerun "
                                     f"`eagle-train dump <recipe>` with the same recipe to finish it")
@@ -47,6 +79,7 @@ class FeatureDataset(Dataset):
         self.first = np.concatenate([[0], np.cumsum([s["num_samples"] for s in self.manifest["shards"]])]).tolist()
         self.offsets = [np.concatenate([[0], np.cumsum(s["lengths"])]).tolist() for s in self.manifest["shards"]]
         self._handles, self._pid = {}, None
+        self._verified = set()  # shards whose sha256 this process checked (once per shard per process)
 
     aux_layers = property(lambda self: self.manifest["aux_layers"])
     storage = property(lambda self: self.manifest["storage"])
@@ -61,8 +94,26 @@ class FeatureDataset(Dataset):
         if self._pid != os.getpid():  # DataLoader workers open their own maps
             self._handles, self._pid = {}, os.getpid()
         if j not in self._handles:
-            self._handles[j] = safe_open(str(self.folder / self.shards[j]), framework="pt")
+            path = self.folder / self.shards[j]
+            self.verify(j)
+            try:
+                self._handles[j] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error type for a damaged header
+                raise DumpError(f"{path}: not a readable safetensors shard ({err}); rerun the dump") from None
         return self._handles[j]
+
+    def verify(self, j: int) -> None:
+        """sha256 of shard j against its manifest record: flipped or missing bytes stop here, not in training."""
+        if j in self._verified:
+            return
+        path, want = self.folder / self.shards[j], self.manifest["shards"][j].get("sha256")
+        if not path.is_file():
+            raise DumpError(f"{path}: shard listed in manifest.json is missing; rerun `eagle-train dump <recipe>` "
+                            "with the same recipe (it redoes the shard)")
+        if want is not None and sha256_file(path) != want:
+            raise DumpError(f"{path}: sha256 check failed (the shard changed after the dump wrote it); rerun "
+                            "`eagle-train dump <recipe>` with the same recipe: it redoes that shard")
+        self._verified.add(j)
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         if not 0 <= i < len(self):

@@ -12,6 +12,8 @@ H wide and so skips `fc` (the engines do the same).
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
@@ -62,7 +64,7 @@ class Eagle3Config:
             head_dim=getattr(tconf, "head_dim", None) or tconf.hidden_size // tconf.num_attention_heads,
             vocab_size=tconf.vocab_size,
             draft_vocab_size=min(draft_vocab_size, tconf.vocab_size),
-            aux_layers=list(aux_layers) if aux_layers else default_aux_layers(n),
+            aux_layers=check_aux_layers(aux_layers, n),
             rms_norm_eps=tconf.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -76,8 +78,28 @@ class Eagle3Config:
 
 
 def default_aux_layers(num_layers: int) -> List[int]:
-    """EAGLE-3's low/mid/high features as HF hidden_states indices (engine ids are these - 1)."""
-    return [2, num_layers // 2, num_layers - 3]
+    """EAGLE-3's low/mid/high features as HF hidden_states indices (engine ids are these - 1);
+    kept inside 1..N-1 for toy targets under 5 layers (N-3 would be 0 or negative)."""
+    return [min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def check_aux_layers(aux_layers, num_layers: int, where: str = "head.aux_layers") -> List[int]:
+    """The aux layers every stage uses (dump, online and offline training, eval, export): None
+    gives the default; each index must lie in 1..N-1 (HF hidden_states: 0 is the embedding output,
+    which no engine captures, N the post-norm output, and -1 would silently read that); duplicates
+    are legal but almost surely a mistake, so they warn."""
+    from eagle_train.recipe import RecipeError
+
+    aux = default_aux_layers(num_layers) if aux_layers is None else [int(i) for i in aux_layers]
+    if len(aux) != 3:
+        raise RecipeError(f"`{where}` = {aux} must list 3 layers (low, mid, high)")
+    bad = [i for i in aux if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise RecipeError(f"`{where}` = {aux}: {bad} out of range for a {num_layers}-layer target "
+                          f"(HF hidden_states indices 1..{num_layers - 1})")
+    if len(set(aux)) < 3 and aux_layers is not None:
+        warnings.warn(f"`{where}` = {aux} repeats a layer: the head sees the same features twice", stacklevel=2)
+    return aux
 
 
 class RMSNorm(nn.Module):

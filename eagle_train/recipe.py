@@ -9,6 +9,7 @@ cross-field problems and raises them all at once.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -17,8 +18,10 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from eagle_train.errors import EagleError
 
-class RecipeError(ValueError):
+
+class RecipeError(EagleError, ValueError):
     """A recipe that cannot be used; the message names the file and every bad key path."""
 
 
@@ -320,16 +323,40 @@ def load_recipe(path: str | Path | None, overrides: List[str] = ()) -> DictConfi
                 loaded = OmegaConf.load(path)
             except yaml.YAMLError as err:  # syntax errors and duplicate keys: name the file, no traceback
                 raise RecipeError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+            _check_sections(loaded, schema, where)
             cfg = OmegaConf.merge(cfg, loaded)
         if overrides:
             where = f"{path or 'defaults'} with command-line overrides"
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            dotlist = OmegaConf.from_dotlist([_check_override(o, where) for o in overrides])
+            _check_sections(dotlist, schema, where)
+            cfg = OmegaConf.merge(cfg, dotlist)
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise RecipeError(_explain(err, schema, where)) from None
     validate(cfg, where)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _check_sections(loaded, schema, where: str) -> None:
+    """A recipe is a mapping of sections, each a mapping of keys: say so instead of a merge error."""
+    if not isinstance(loaded, DictConfig):
+        raise RecipeError(f"{where}: the top level must be a mapping of sections (target:, data:, train:, ...), "
+                          f"got a {type(loaded).__name__.replace('Config', '').lower()}")
+    for key in loaded.keys():
+        section = schema._get_node(key) if key in schema else None
+        if isinstance(section, DictConfig) and key != "train.deepspeed":
+            value = loaded._get_node(key)
+            if not isinstance(value, DictConfig) and not OmegaConf.is_missing(loaded, key):
+                raise RecipeError(f"{where}: recipe key `{key}` is a section and must be a mapping of keys "
+                                  f"(e.g. {key}.<key>=...), got {value._value()!r}")
+
+
+def _check_override(item: str, where: str) -> str:
+    key = item.split("=", 1)[0]
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"{where}: override {item!r} is not `section.key=value` (empty key or key part)")
+    return item
 
 
 def validate(cfg: DictConfig, where: str = "recipe") -> None:
@@ -353,6 +380,27 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append(f"`data.eval_fraction` = {cfg.data.eval_fraction} must be in [0, 1)")
     if cfg.head.aux_layers is not None and len(cfg.head.aux_layers) != 3:
         problems.append(f"`head.aux_layers` = {list(cfg.head.aux_layers)} must list 3 layers (low, mid, high)")
+    elif cfg.head.aux_layers is not None and min(cfg.head.aux_layers) < 1:  # -1 would read the last layer
+        problems.append(f"`head.aux_layers` = {list(cfg.head.aux_layers)}: indices count from 1 (HF hidden_states, "
+                        "0 = embeddings, which no engine captures); negative indices are not allowed")
+    if not cfg.train.learning_rate > 0 or not math.isfinite(cfg.train.learning_rate):
+        problems.append(f"`train.learning_rate` = {cfg.train.learning_rate} must be a finite number > 0")
+    for key in ("train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.noise",
+                "train.feature_weight", "train.token_weight", "train.eval_batches"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not value >= 0:
+            problems.append(f"`{key}` = {value} must be >= 0")
+    for key in ("train.log_every", "train.eval_every", "train.save_every"):
+        if OmegaConf.select(cfg, key) <= 0:
+            problems.append(f"`{key}` = {OmegaConf.select(cfg, key)} must be > 0")
+    if not 0 < cfg.train.ttt_decay <= 1:
+        problems.append(f"`train.ttt_decay` = {cfg.train.ttt_decay} must be in (0, 1]")
+    if len(cfg.train.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.train.adam_betas):
+        problems.append(f"`train.adam_betas` = {list(cfg.train.adam_betas)} must be two numbers in [0, 1)")
+    if cfg.eval.tree == "dynamic" and cfg.eval.num_draft_tokens < cfg.eval.depth:
+        problems.append(f"`eval.num_draft_tokens` = {cfg.eval.num_draft_tokens} < `eval.depth` = {cfg.eval.depth}: "
+                        "a dynamic tree keeps at most that many nodes, so it never reaches that depth; "
+                        f"set eval.num_draft_tokens >= {cfg.eval.depth} or eval.depth <= {cfg.eval.num_draft_tokens}")
     if cfg.train.zero_stage not in (2, 3):
         problems.append(f"`train.zero_stage` = {cfg.train.zero_stage} must be 2 or 3")
     if cfg.eval.tree == "static" and not cfg.eval.static_tree:

