@@ -42,16 +42,22 @@ from torch import nn
 if __package__ in (None, ""):  # `python eagle_train/train.py` / `accelerate launch eagle_train/train.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle_train.dump_reader import check_contract, sha256_file
+from eagle_train.eagle3 import check_aux_layers
+from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.draft_vocab import build_draft_vocab, count_tokens, draft_ids_of, load_draft_vocab, save_draft_vocab
 from eagle_train.features import decoder_of, target_features
 from eagle_train.files import atomic_write_text
 from eagle_train.heads import build_head, head_type, save_head
 from eagle_train.recipe import load_recipe, split_args
-from eagle_train.target import load_target, resolve_model_path
+from eagle_train.target import load_target, resolve_model_path, target_id, weights_digest
 
 
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss; the last good checkpoint is kept."""
+# divergence: a loss above this is no cross-entropy over any vocabulary (ln 256k ~ 12.5 per TTT step)
+LOSS_CAP = 1e4
+# weights may grow to this many times their initial max |w| (at least 1): Adam moves a weight by
+# about lr per step, so a sound run stays far below, and lr 1e6 (|w| ~ 1e6) does not
+WEIGHT_GROWTH = 100
 
 
 # ---------------------------------------------------------------- losses
@@ -234,6 +240,16 @@ def open_data(cfg, split):
         raise FileNotFoundError(f"no prepared corpus at {folder} (data.output); create it with `eagle-train prep <recipe>`")
     ds = load_from_disk(str(folder)).with_format(None)
     return ds, pad_collate
+
+
+def dump_expectation(cfg, tconf, digest):
+    """What the dump's manifest must say for this recipe (eagle_train.dump_reader.CONTRACT)."""
+    storage = cfg.dump.storage
+    aux = check_aux_layers(cfg.head.aux_layers, tconf.num_hidden_layers) if cfg.head.type == "eagle3" else None
+    return {"target_id": target_id(cfg.target), "target_digest": digest, "head_type": cfg.head.type,
+            "aux_layers": aux, "storage": storage, "dtype": cfg.dump.dtype,
+            "topk": cfg.dump.topk if storage == "topk" else None, "max_length": cfg.data.max_length,
+            "hidden_size": tconf.hidden_size, "num_layers": tconf.num_hidden_layers, "vocab_size": tconf.vocab_size}
 
 
 def corpus_pairs(cfg, ds):
@@ -433,6 +449,9 @@ def save_checkpoint(acc, out, state):
     acc.save_state(str(tmp))
     acc.wait_for_everyone()  # every rank's shard is in tmp before rank 0 moves it (a slow rank lost its folder)
     if acc.is_main_process:
+        # sha256 of every file: resume refuses a checkpoint whose bytes changed (flipped, truncated)
+        state = {**state, "files": {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*"))
+                                    if f.is_file() and f.name != "train_state.json"}}
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
         if ckpt.exists():
             os.replace(ckpt, old)
@@ -450,6 +469,50 @@ def shared_draft_vocab(acc, path, count, size):
             counts = count()
             save_draft_vocab(path, *build_draft_vocab(counts, size), counts)
     return load_draft_vocab(path)
+
+
+def read_checkpoint(ckpt):
+    """train_state.json of a checkpoint after checking every recorded file's sha256."""
+    path = ckpt / "train_state.json"
+    try:
+        state = json.loads(path.read_text())
+        state["step"], state["micro_step"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is damaged; move {ckpt} away to resume from checkpoint.old (if any) or "
+                              "start over with train.resume=false") from None
+    for name, digest in state.get("files", {}).items():
+        f = ckpt / name
+        if not f.is_file() or sha256_file(f) != digest:
+            raise CheckpointError(f"{f}: {'missing' if not f.is_file() else 'sha256 check failed'} (the checkpoint "
+                                  f"changed after it was saved); restore it, or start over with train.resume=false")
+    return state
+
+
+def max_abs(params) -> float:
+    """Largest |w| over this rank's parameters (its partition under ZeRO-3); inf when any is non-finite."""
+    m = 0.0
+    for p in params:
+        if p.numel():
+            w = p.detach().abs().max().float()
+            m = max(m, float(w) if torch.isfinite(w) else math.inf)
+    return m
+
+
+def check_weights(acc, params, bound, step, out):
+    """Stop before saving exploded weights; the last checkpoint (saved while they were sound) stays."""
+    bad = acc.reduce(torch.tensor([float(not max_abs(params) <= bound)], device=acc.device), "sum")
+    if bad.item() > 0:
+        raise TrainingDiverged(f"weights exploded at step {step} (max |w| > {bound:g} = {WEIGHT_GROWTH} x their "
+                               f"initial size) or went non-finite; stopped without saving. {last_sound(out)}; "
+                               "resume with a lower train.learning_rate or train.grad_clip")
+
+
+def last_sound(out) -> str:
+    ckpt = find_checkpoint(out)
+    if ckpt is None:
+        return "No checkpoint was saved before"
+    step = json.loads((ckpt / "train_state.json").read_text())["step"]
+    return f"Last sound checkpoint: {ckpt} (step {step})"
 
 
 def find_checkpoint(out):
@@ -512,6 +575,9 @@ def main(cfg, target=None, stop_after=None):
     if target is not None:
         target.to(dev).eval().requires_grad_(False)
     tconf, embed, lm_head_w, norm_w = target_weights(cfg, target)
+    digest = weights_digest(embed, lm_head_w, norm_w, cfg.target.dtype)
+    if cfg.train.mode == "offline":  # the dump is the contract: a dump of other layers would train a lying head
+        check_contract(ds.manifest, dump_expectation(cfg, tconf, digest), ds.folder)
 
     torch.manual_seed(tc.seed)
     head = build_head(cfg.head, tconf)
@@ -568,9 +634,17 @@ def main(cfg, target=None, stop_after=None):
     ckpt = find_checkpoint(out) if resume != "false" else None
     if resume == "true" and ckpt is None:
         raise FileNotFoundError(f"train.resume=true but no checkpoint under {out}; use train.resume=auto to start over")
+    bound = WEIGHT_GROWTH * max(1.0, max_abs(params))
     if ckpt is not None:
-        acc.load_state(str(ckpt))
-        state = json.loads((ckpt / "train_state.json").read_text())
+        state = read_checkpoint(ckpt)
+        try:
+            acc.load_state(str(ckpt))
+        except Exception as err:  # truncated or foreign files in a checkpoint saved before digests were recorded
+            raise CheckpointError(f"{ckpt}: cannot be loaded ({type(err).__name__}: {str(err)[:200]}); "
+                                  "start over with train.resume=false") from err
+        bound = state.get("weight_bound", bound)
+        if not max_abs(params) <= bound:
+            raise CheckpointError(f"{ckpt} holds exploded or non-finite weights; start over with train.resume=false")
         micro, metrics = state["micro_step"], state["metrics"]
         done.update(state.get("progress", {}))
         acc.print(f"[train] resumed from {ckpt} at step {state['step']}")
@@ -601,11 +675,12 @@ def main(cfg, target=None, stop_after=None):
         logging = (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps
         with acc.accumulate(model):
             loss, stats = model(b, with_stats=logging)
-            bad = acc.reduce((~torch.isfinite(loss.detach())).float().reshape(1), "sum")  # every rank stops together
+            sound = torch.isfinite(loss.detach()) & (loss.detach().abs() < LOSS_CAP)
+            bad = acc.reduce((~sound).float().reshape(1), "sum")  # every rank stops together
             if bad.item() > 0:
-                ckpt = find_checkpoint(out)
-                raise TrainingDiverged(f"non-finite training loss at step {step} (micro-batch {micro}); stopped. "
-                                       f"Last good checkpoint: {ckpt or 'none'}; resume with a lower "
+                what = "non-finite" if not torch.isfinite(loss.detach()) else "exploding"
+                raise TrainingDiverged(f"{what} training loss at step {step} (micro-batch {micro}, this rank's loss "
+                                       f"{float(loss.detach()):.3g}); stopped. {last_sound(out)}; resume with a lower "
                                        f"train.learning_rate or train.grad_clip")
             acc.backward(loss)
             if acc.sync_gradients and tc.grad_clip > 0 and not deepspeed:
@@ -638,8 +713,11 @@ def main(cfg, target=None, stop_after=None):
             if tc.snapshots and acc.is_main_process and not (deepspeed and tc.zero_stage == 3):
                 save_head(trained_head(cfg, tconf, head, acc.get_state_dict(model), feature_scale),
                           out / "snapshots" / f"step-{step}", extra={"train_state": {"step": step, "progress": now}})
+        if logging or step % tc.save_every == 0 or step == tc.max_steps:
+            check_weights(acc, params, bound, step, out)
         if step % tc.save_every == 0 or step == tc.max_steps:
-            save_checkpoint(acc, out, {"step": step, "micro_step": micro, "metrics": metrics, "progress": now})
+            save_checkpoint(acc, out, {"step": step, "micro_step": micro, "metrics": metrics, "progress": now,
+                                       "weight_bound": bound})
     bar.close()
     if stop_after is not None and step < tc.max_steps:
         acc.end_training()
@@ -656,6 +734,7 @@ def main(cfg, target=None, stop_after=None):
         # the saved weights are what the ranks trained: same digest as their (gathered) parameters
         info = {"step": step, "metrics": metrics, "rank_param_sha256": digests,
                 "saved_param_sha256": _sha256(state[k] for k, _ in named), "target": cfg.target.model,
+                "target_digest": digest,
                 "train": {"mode": tc.mode, "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm}}
         save_head(head_out, final, extra={"train_state": info})
@@ -763,9 +842,6 @@ def cli(argv=None) -> int:
     cfg = load_recipe(path, overrides)
     try:
         main(cfg)
-    except TrainingDiverged as err:
-        print(f"eagle-train train: {err}", file=sys.stderr)
-        return 1
     finally:
         # tear the process group down before exit: a rank leaving with live gloo connections can
         # abort its peer's background thread at interpreter shutdown
@@ -778,4 +854,6 @@ if __name__ == "__main__":
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    sys.exit(cli())
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("train", cli, sys.argv[1:]))
