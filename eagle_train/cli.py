@@ -54,6 +54,8 @@ def run_stage(stage: str, func, argv) -> int:
     argv = list(argv)
     debug = "--debug" in argv or os.environ.get("EAGLE_TRAIN_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    if debug:  # stages that print their own errors re-raise under it too
+        os.environ["EAGLE_TRAIN_DEBUG"] = "1"
     if stage not in ARGPARSE and any(a in ("-h", "--help") for a in argv):
         print(stage_help(stage))
         return 0

@@ -34,12 +34,13 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle_train.eagle1 import Eagle1Config, Eagle1Head
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
-from eagle_train.heads import head_type, load_head
+from eagle_train.errors import HeadError
+from eagle_train.heads import (check_head_matches, head_provenance, head_type, load_head, load_weights, read_config,
+                               read_weights)
 from eagle_train.target import DTYPES
 
 ARCHITECTURES = {
@@ -50,6 +51,9 @@ ARCHITECTURES = {
 }
 EXPORT_KEY = "eagle_train_export"  # our provenance block in config.json (engines ignore it)
 FORMAT_VERSION = 1
+# no sound head holds a weight this large (trained ones stay within ~100 even with the feature scale
+# folded into fc); a diverged run's head does (|w| ~ 1e6 after lr 1e6)
+ABSURD_WEIGHT = 1e4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +277,10 @@ def check_layout(cfg: dict, tensors: dict) -> list:
                                 f"{cfg.get('torch_dtype')}")
             elif t.device.type != "meta" and not torch.isfinite(t.float()).all():
                 problems.append(f"model.safetensors: `{name}` has NaN or inf values")
+            elif t.device.type != "meta" and t.numel() and float(t.float().abs().max()) > ABSURD_WEIGHT:
+                problems.append(f"model.safetensors: `{name}` has |w| up to {float(t.float().abs().max()):.3g} "
+                                f"(> {ABSURD_WEIGHT:g}): exploded weights, not a trained head; retrain from a sound "
+                                "checkpoint with a lower train.learning_rate")
     if kind == "eagle3" and not problems:
         problems += _check_vocab_maps(cfg, tensors["d2t"], tensors["t2d"])
     return problems
@@ -357,9 +365,11 @@ def check_export(folder, target_config=None) -> list:
     missing = [p.name for p in (cfg_file, weights) if not p.is_file()]
     if missing:
         return [f"{folder}: {', '.join(missing)} missing (write it with `eagle-train export recipe.yaml`)"]
-    cfg = json.loads(cfg_file.read_text())
-    with safe_open(str(weights), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        cfg = read_config(cfg_file)
+        tensors = read_weights(weights)
+    except HeadError as err:
+        return [str(err)]
     problems = check_layout(cfg, tensors)
     if target_config is not None:
         problems += check_target(cfg, target_config)
@@ -403,8 +413,12 @@ def load_exported(path, target=None, map_location="cpu"):
     """Rebuild an Eagle3Head / Eagle1Head (fp32) from an exported folder or hub id; embed_tokens
     (and the EAGLE-1 lm_head) come from the file when present, else from `target`."""
     folder = _resolve_folder(path)
-    cfg = json.loads((folder / "config.json").read_text())
-    state = load_file(folder / "model.safetensors", device=str(map_location))
+    cfg = read_config(folder / "config.json")
+    state = read_weights(folder / "model.safetensors", map_location)
+    missing_fields = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                                  "rms_norm_eps") if k not in cfg]
+    if missing_fields:
+        raise HeadError(f"{folder}/config.json lacks {', '.join(missing_fields)} (run `eagle-train check {folder}`)")
     meta = cfg.get(EXPORT_KEY) or {}
     tconf = getattr(target, "config", None)
     n_target = meta.get("num_target_layers") or getattr(tconf, "num_hidden_layers", None)
@@ -437,10 +451,10 @@ def load_exported(path, target=None, map_location="cpu"):
         head = Eagle1Head(Eagle1Config(**common, fc_bias=fc_bias))
         allowed_missing = {"embed_tokens.weight", "lm_head.weight"}
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing, unexpected = load_weights(head, state, folder / "model.safetensors")
     bad = [k for k in missing if k not in allowed_missing and not k.startswith("rotary.")]
     if bad or unexpected:
-        raise ValueError(f"{folder}/model.safetensors does not fit the {_kind(cfg)} layout: missing {bad}, "
+        raise HeadError(f"{folder}/model.safetensors does not fit the {_kind(cfg)} layout: missing {bad}, "
                          f"unexpected {unexpected} (run `eagle-train check {folder}`)")
     if target is not None:
         embed_in_file = "embed_tokens.weight" in state
@@ -487,6 +501,24 @@ def _target_config(tcfg):
         return None
 
 
+def _target_digest(cfg):
+    """weights_digest of the recipe's target from its files (None when they are not here)."""
+    from eagle_train.errors import EagleError
+    from eagle_train.target import resolve_model_path, weights_digest
+    from eagle_train.train import target_weights
+
+    try:
+        path = Path(resolve_model_path(cfg.target.model, cfg.target.cache_dir, cfg.target.gguf_file))
+        if not list(path.glob("*.safetensors")):  # a hub id or another format: not worth loading the model
+            return None
+        _, embed, lm_head, norm = target_weights(cfg)
+    except (OSError, EagleError, KeyError) as err:
+        print(f"[export] note: target weights of {cfg.target.model!r} not readable ({type(err).__name__}); "
+              "the head's target is not compared")
+        return None
+    return weights_digest(embed, lm_head, norm, cfg.target.dtype)
+
+
 def main(cfg) -> int:
     from omegaconf import OmegaConf
 
@@ -499,13 +531,17 @@ def main(cfg) -> int:
 
         target, _ = load_target(cfg.target, with_tokenizer=False)
     head = load_head(src, target=target)
-    info = json.loads((src / "config.json").read_text())
+    info = read_config(src / "config.json")
+    made_for = head_provenance(src)
+    digest = _target_digest(cfg)
+    check_head_matches(head, made_for, cfg, digest, f"the head at {src}")
     recipe_yaml = OmegaConf.to_yaml(cfg)
     provenance = {
         "target": cfg.target.model,
         "target_revision": cfg.target.revision,
         "source": str(src),
         "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
+        "target_digest": made_for.get("target_digest") or digest,
     }
     # the trainer writes {"step", "metrics", ...} beside the head and into its config.json
     train_state = (_read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
@@ -569,4 +605,6 @@ def check_cli(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("export", cli, sys.argv[1:]))

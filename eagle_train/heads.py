@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_train.eagle1 import Eagle1Config, Eagle1Head
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
+from eagle_train.errors import HeadError
 
 FROZEN = ("embed_tokens.weight",)  # copied from the target at load time, not stored
 
@@ -52,6 +53,39 @@ def save_head(head, out_dir, extra: dict | None = None) -> Path:
     return out
 
 
+def read_config(path) -> dict:
+    """A head's config.json as a dict, or one HeadError naming the file."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HeadError(f"{path}: not valid JSON ({err}); export or train the head again") from None
+    if not isinstance(meta, dict):
+        raise HeadError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def read_weights(path, map_location="cpu") -> dict:
+    """model.safetensors of a head; a truncated or damaged file is one HeadError naming it."""
+    if not Path(path).is_file():
+        raise HeadError(f"{path} is missing; export or train the head again")
+    try:
+        return load_file(path, device=str(map_location))
+    except Exception as err:  # safetensors raises its own error type for a cut-off header or data
+        raise HeadError(f"{path}: not a readable safetensors file ({str(err)[:160]}); export or train "
+                        "the head again") from None
+
+
+def load_weights(head, state: dict, path):
+    """load_state_dict(strict=False) naming every tensor whose shape disagrees with the config."""
+    own = head.state_dict()
+    wrong = [f"`{k}` {list(v.shape)} (config.json implies {list(own[k].shape)})"
+             for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if wrong:
+        raise HeadError(f"{path}: tensor shapes do not match config.json: {', '.join(wrong[:4])}"
+                        f"{' ...' if len(wrong) > 4 else ''}")
+    return head.load_state_dict(state, strict=False)
+
+
 def load_head(path, target=None, map_location="cpu"):
     """Load a head folder written by `save_head` (or an export, see eagle_train.export);
     frozen embeddings (and the EAGLE-1 lm_head) come from `target` when given."""
@@ -63,22 +97,52 @@ def load_head(path, target=None, map_location="cpu"):
 
             return export.load_exported(str(path), target=target, map_location=map_location)
         raise FileNotFoundError(f"{cfg_file} not found: not a head folder (train writes <train.output>/final)")
-    meta = json.loads(cfg_file.read_text())
+    meta = read_config(cfg_file)
     if "eagle_train" not in meta:
         from eagle_train import export  # engine layout
 
         return export.load_exported(path, target=target, map_location=map_location)
     info = meta["eagle_train"]
-    if info["head_type"] == "eagle3":
-        head = Eagle3Head(Eagle3Config(**info["config"]))
-    else:
-        head = Eagle1Head(Eagle1Config(**info["config"]))
-    state = load_file(path / "model.safetensors", device=str(map_location))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        if info["head_type"] == "eagle3":
+            head = Eagle3Head(Eagle3Config(**info["config"]))
+        else:
+            head = Eagle1Head(Eagle1Config(**info["config"]))
+    except (KeyError, TypeError) as err:
+        raise HeadError(f"{cfg_file}: `eagle_train` block is incomplete or has unknown fields ({err}); "
+                        "save the head again (train writes <train.output>/final)") from None
+    state = read_weights(path / "model.safetensors", map_location)
+    missing, unexpected = load_weights(head, state, path / "model.safetensors")
     allowed = set(FROZEN) | {"lm_head.weight"} if info["head_type"] == "eagle1" else set(FROZEN)
     bad = [k for k in missing if k not in allowed and not k.startswith("rotary.")]
     if bad or unexpected:
-        raise ValueError(f"{path}/model.safetensors: missing {bad}, unexpected {unexpected}")
+        raise HeadError(f"{path}/model.safetensors: missing {bad}, unexpected {unexpected}")
     if target is not None:
         head.load_target_embeddings(target)
     return head
+
+
+def head_provenance(path) -> dict:
+    """{target, target_digest} a head folder records (training output or export); {} when unknown."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return {}
+    meta = read_config(cfg_file)
+    info = (meta.get("eagle_train") or {}).get("train_state") or meta.get("eagle_train_export") or {}
+    return {k: info.get(k) for k in ("target", "target_digest") if info.get(k) is not None}
+
+
+def check_head_matches(head, provenance: dict, cfg, target_digest=None, where="eval.head") -> None:
+    """Refuse a head made for another head type, aux layers or target than the recipe says."""
+    problems, kind = [], head_type(head)
+    if kind != cfg.head.type:
+        problems.append(f"it is an {kind} head but the recipe says head.type={cfg.head.type}")
+    aux = getattr(head.config, "aux_layers", None)
+    if kind == "eagle3" and cfg.head.aux_layers is not None and list(cfg.head.aux_layers) != list(aux):
+        problems.append(f"it reads aux layers {list(aux)} but the recipe says head.aux_layers={list(cfg.head.aux_layers)}")
+    theirs = provenance.get("target_digest")
+    if theirs and target_digest and theirs != target_digest:
+        problems.append(f"it was trained on target {provenance.get('target')!r} (weights digest {theirs}) but "
+                        f"target.model={cfg.target.model!r} has weights digest {target_digest}")
+    if problems:
+        raise HeadError(f"{where}: " + "; ".join(problems) + ". Use the head trained for this recipe, or fix the recipe")

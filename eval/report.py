@@ -49,7 +49,8 @@ def report_markdown(rep: dict) -> str:
     s = rep["settings"]
     load = rep.get("load_average") or {}
     lines = [f"# Acceptance report: {rep['head']}", "",
-             f"- target: `{rep['target']}`", f"- machine: {rep['machine']}", f"- date: {rep['date']}",
+             f"- target: `{rep['target']}`, head type: {rep.get('head_type', 'unknown')}",
+             f"- machine: {rep['machine']}", f"- date: {rep['date']}",
              f"- load average (1, 5, 15 min) at start {load.get('start')}, at end {load.get('end')}: timings on a "
              "busy machine are slower for every method alike (they interleave per prompt)",
              f"- tree: {s['tree']} (topk {s['topk']}, depth {s['depth']}, num_draft_tokens {s['num_draft_tokens']}"

@@ -36,6 +36,10 @@ from tqdm import tqdm
 
 from eagle_train.decoding import (SpecConfig, max_tree_nodes, prompt_lookup_generate, speculative_generate,
                                   static_paths, timed, vanilla_generate)
+from eagle_train.cli import one_line
+from eagle_train.eagle3 import check_aux_layers
+from eagle_train.errors import CorpusError, EagleError, HeadError
+from eagle_train.heads import head_type
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eval.report import write_report, write_sweep
 
@@ -89,7 +93,10 @@ def benchmark_label(entry: str) -> str:
 
 
 def _lines(path: Path) -> List[str]:
-    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    try:
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    except (EOFError, OSError, UnicodeDecodeError) as err:  # cut-off or non-gzip .gz, unreadable bytes
+        raise CorpusError(f"{path}: cannot be read ({type(err).__name__}: {err}); is it truncated?") from None
     return text.splitlines()
 
 
@@ -103,7 +110,12 @@ def load_prompts(path: Path, max_prompts=None) -> List[dict]:
         for n, line in enumerate(_lines(path), start=1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CorpusError(f"{path}:{n}: not a JSON record ({err.msg}; truncated file?)") from None
+            if not isinstance(rec, dict):
+                raise CorpusError(f"{path}:{n}: expected a JSON object per line, got {type(rec).__name__}")
             category = rec.get("category") or "prompts"
             if "turns" in rec:
                 turns = list(rec["turns"])
@@ -322,17 +334,20 @@ def check_head_fits(head, model, where) -> None:
     if getattr(hc, "num_target_layers", None) and hc.num_target_layers != n:
         problems.append(f"trained on a {hc.num_target_layers}-layer target, this one has {n} layers")
     aux = getattr(hc, "aux_layers", None)
-    if aux and not all(0 <= i <= n for i in aux):
-        problems.append(f"aux_layers {list(aux)} outside this target's hidden_states 0..{n}")
+    if aux:
+        try:
+            check_aux_layers(aux, n, "aux_layers")
+        except RecipeError as err:
+            problems.append(f"{err} (the head's)")
     if problems:
-        raise ValueError(f"eval.head = {where} was trained for another target than target.model: "
-                         + "; ".join(problems))
+        raise HeadError(f"eval.head = {where} was trained for another target than target.model: "
+                        + "; ".join(problems))
 
 
 def setup(cfg):
     """Target, tokenizer and head (on the target's device), every method warmed up."""
-    from eagle_train.heads import load_head
-    from eagle_train.target import load_target, target_id
+    from eagle_train.heads import check_head_matches, head_provenance, load_head
+    from eagle_train.target import load_target, model_digest, target_id
 
     model, tok = load_target(cfg.target)
     model.eval()
@@ -346,6 +361,8 @@ def setup(cfg):
     except ValueError:  # an export naming no aux layers takes the target's default ones
         head = load_head(cfg.eval.head, target=model)
     check_head_fits(head, model, cfg.eval.head)
+    check_head_matches(head, head_provenance(where), cfg, model_digest(model, cfg.target.dtype),
+                       f"eval.head = {cfg.eval.head}")
     head.load_target_embeddings(model)
     head = head.to(model.device).eval()
     ids = render(tok, [{"role": "user", "content": "hi"}])
@@ -380,7 +397,8 @@ def main(cfg) -> Path:
     torch.manual_seed(ecfg.seed)
     model, tok, head, tid = setup(cfg)
     methods = method_names(ecfg.prompt_lookup_num_tokens)
-    rep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    rep = {"target": tid, "head": str(ecfg.head), "head_type": head_type(head),
+           "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "load_average": {"start": load_average()},
            "settings": {"tree": ecfg.tree, "topk": ecfg.topk, "depth": ecfg.depth,
                         "num_draft_tokens": ecfg.num_draft_tokens, "max_new_tokens": ecfg.max_new_tokens,
@@ -484,8 +502,10 @@ def _run(fn, argv) -> int:
     try:
         path, overrides = split_args(list(argv))
         out = fn(load_recipe(path, overrides))
-    except (RecipeError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (EagleError, FileNotFoundError, ValueError) as err:  # bad recipe, head or benchmark file
+        if os.environ.get("EAGLE_TRAIN_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"eagle-train eval: error: {one_line(err)}", file=sys.stderr)
         return 2
     print(f"[eval] wrote {out}")
     return 0
@@ -500,7 +520,9 @@ def sweep_cli(argv) -> int:
 
 
 if __name__ == "__main__":
+    from eagle_train.cli import run_stage
+
     args = sys.argv[1:]
     if args and args[0] == "sweep":
-        sys.exit(sweep_cli(args[1:]))
-    sys.exit(cli(args))
+        sys.exit(run_stage("sweep", sweep_cli, args[1:]))
+    sys.exit(run_stage("eval", cli, args))
