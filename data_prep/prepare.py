@@ -93,7 +93,7 @@ def main(cfg) -> dict:
     """Run the stage for a loaded recipe; returns the stats written to stats.json."""
     import datasets
 
-    from eagle_train.target import load_tokenizer
+    from eagle_train.target import load_tokenizer, tokenizer_digest
 
     t0 = time.perf_counter()
     d = cfg.data
@@ -154,6 +154,7 @@ def main(cfg) -> dict:
     stats = {
         "source": source,
         "target": cfg.target.model,
+        "tokenizer_digest": tokenizer_digest(tok),  # the dump copies it into its manifest
         "max_length": d.max_length,
         "conversations": {"read": n_read, "kept": len(good), "train": len(train), "eval": len(evl),
                           "skipped": sum(v for k, v in skips.counts.items() if k != "truncated_file_tail")},
@@ -191,4 +192,6 @@ def cli(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("prep", cli, sys.argv[1:]))

@@ -18,10 +18,13 @@ import gzip
 import importlib.util
 import json
 import warnings
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
+
+from eagle_train.errors import CorpusError
 
 # ShareGPT dumps name the assistant after the product it came from
 ROLES = {
@@ -230,6 +233,16 @@ def iter_jsonl(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
 
 
 def iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+    """Records of one file; a file that cannot be decompressed or read stops with its name."""
+    try:
+        yield from _iter_file(path, skips)
+    except (EOFError, OSError, zlib.error) as err:  # cut-off gzip stream, not gzip at all, unreadable
+        what = "is truncated" if isinstance(err, EOFError) else "cannot be read"
+        raise CorpusError(f"{path} {what} ({type(err).__name__}: {err}); re-download or re-compress it "
+                          "(gzip -t checks a .gz file)") from None
+
+
+def _iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     """A `.json` file is an array, unless it starts with `{` (then it is read as JSON lines)."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         yield from iter_jsonl(path, skips)

@@ -272,4 +272,6 @@ def regenerated_source(cfg) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("regen", cli, sys.argv[1:]))

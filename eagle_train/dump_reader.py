@@ -34,16 +34,18 @@ from eagle_train.features import dequantize_fp8
 CONTRACT = [("target_id", "target.model"), ("target_digest", "target.model (its weights)"),
             ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
             ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("max_length", "data.max_length"),
-            ("hidden_size", "target.model"), ("num_layers", "target.model"), ("vocab_size", "target.model")]
+            ("hidden_size", "target.model"), ("num_layers", "target.model"), ("vocab_size", "target.model"),
+            ("tokenizer_digest", "data.output (the corpus was prepared with another tokenizer or chat template)")]
 
 
 def check_contract(manifest: dict, expected: dict, folder) -> None:
     """Stop when the dump was made for another target or head than the recipe says (fields the
     manifest predates are skipped); names the key and both values."""
     for field, key in CONTRACT:
-        if field in manifest and field in expected and manifest[field] != expected[field]:
-            raise DumpError(f"{folder}/manifest.json: the dump has {field} = {manifest[field]!r} but the recipe "
-                            f"gives {expected[field]!r} (`{key}`); set {key} to the dump's value or dump again "
+        ours, theirs = expected.get(field), manifest.get(field)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise DumpError(f"{folder}/manifest.json: the dump has {field} = {theirs!r} but the recipe "
+                            f"gives {ours!r} (`{key}`); set {key} to the dump's value or dump again "
                             "with this recipe into another dump.output")
 
 

@@ -31,3 +31,7 @@ class TargetError(EagleError):
 
 class TrainingDiverged(EagleError):
     """Loss or weights went non-finite or exploded; only checkpoints saved before are kept."""
+
+
+class DependencyError(EagleError, ImportError):
+    """An installed library outside the version range the project was tested with."""

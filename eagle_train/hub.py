@@ -139,4 +139,6 @@ def cli(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    from eagle_train.cli import run_stage
+
+    sys.exit(run_stage("push", cli, sys.argv[1:]))

@@ -118,6 +118,14 @@ def weights_digest(embed, lm_head, norm, dtype: str) -> str:
     return h.hexdigest()[:16]
 
 
+def tokenizer_digest(tok) -> str:
+    """sha256 (16 hex) of the vocabulary, special tokens and chat template: what rendered a corpus."""
+    import json
+
+    parts = [sorted(tok.get_vocab().items()), tok.chat_template or "", sorted(map(str, tok.all_special_tokens))]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
 def model_digest(model, dtype: str) -> str:
     """weights_digest of a loaded target."""
     from eagle_train.features import decoder_of

@@ -249,7 +249,15 @@ def dump_expectation(cfg, tconf, digest):
     return {"target_id": target_id(cfg.target), "target_digest": digest, "head_type": cfg.head.type,
             "aux_layers": aux, "storage": storage, "dtype": cfg.dump.dtype,
             "topk": cfg.dump.topk if storage == "topk" else None, "max_length": cfg.data.max_length,
-            "hidden_size": tconf.hidden_size, "num_layers": tconf.num_hidden_layers, "vocab_size": tconf.vocab_size}
+            "hidden_size": tconf.hidden_size, "num_layers": tconf.num_hidden_layers, "vocab_size": tconf.vocab_size,
+            "tokenizer_digest": _read_json(Path(cfg.data.output) / "stats.json").get("tokenizer_digest")}
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def corpus_pairs(cfg, ds):
