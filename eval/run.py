@@ -389,11 +389,12 @@ def main(cfg) -> Path:
     benches, problems = [], []
     for entry in ecfg.benchmarks:
         try:
-            benches.append((benchmark_label(entry), resolve_benchmark(entry, ecfg.benchmark_dir)))
-        except FileNotFoundError as err:
+            path = resolve_benchmark(entry, ecfg.benchmark_dir)
+            benches.append((benchmark_label(entry), load_prompts(path, ecfg.max_prompts)))  # a cut-off file fails now
+        except (FileNotFoundError, ValueError) as err:
             problems.append(str(err))
     if problems:
-        raise FileNotFoundError("\n  ".join(problems))
+        raise CorpusError("\n  ".join(problems))
     torch.manual_seed(ecfg.seed)
     model, tok, head, tid = setup(cfg)
     methods = method_names(ecfg.prompt_lookup_num_tokens)
@@ -406,8 +407,7 @@ def main(cfg) -> Path:
                         "top_p": ecfg.top_p, "top_k": ecfg.top_k,
                         "prompt_lookup_num_tokens": list(ecfg.prompt_lookup_num_tokens)},
            "complete": False, "results": [], "records": []}
-    for label, path in benches:
-        prompts = load_prompts(path, ecfg.max_prompts)
+    for label, prompts in benches:
         for temp in ecfg.temperatures:
             scfg = SpecConfig.from_eval(ecfg, temp)
             records = run_prompts(model, tok, head, prompts, scfg, ecfg.seed, f"eval {label} T={temp:g}", methods)
