@@ -280,7 +280,7 @@ CHOICES = {
     "train.loss_positions": ("assistant", "all"),
     "train.mode": ("offline", "online"),
     "train.engine": ("deepspeed", "ddp", "none"),
-    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16", "False"),  # `=no` on the command line parses as False
     "train.scheduler": ("cosine", "linear", "constant"),
     "train.resume": ("auto", "true", "false", "True", "False"),  # key=value overrides parse true as a bool
     "train.tracker": ("wandb", "tensorboard", "none"),

@@ -427,13 +427,14 @@ def mixed_precision(tc, cuda, multi):
     """accelerate's mixed_precision. GPU: bf16 under auto. CPU: bf16 autocast (fp32 master weights
     and losses) where the CPU has native bf16 matmuls (AVX512-BF16/AMX: 1.4-1.7x faster head
     steps measured, bench/RESULTS.md), else fp32; DeepSpeed's CPU ranks stay fp32."""
+    asked = "no" if str(tc.mixed_precision) == "False" else tc.mixed_precision
     if cuda:
-        return "bf16" if tc.mixed_precision == "auto" else tc.mixed_precision
+        return "bf16" if asked == "auto" else asked
     if multi and tc.engine == "deepspeed":
         return "no"
-    if tc.mixed_precision == "auto":
+    if asked == "auto":
         return "bf16" if cpu_has_fast_bf16() else "no"
-    return "no" if tc.mixed_precision == "fp16" else tc.mixed_precision
+    return "no" if asked == "fp16" else asked
 
 
 def cpu_has_fast_bf16() -> bool:
