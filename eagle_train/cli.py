@@ -64,7 +64,8 @@ def run_stage(stage: str, func, argv) -> int:
     except (EagleError, FileNotFoundError) as err:
         if debug:
             raise
-        print(f"eagle-train {stage}: error: {one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        # on a line of its own: a progress bar the error interrupted leaves no newline behind
+        print(f"\neagle-train {stage}: error: {one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 
@@ -75,7 +76,7 @@ def one_line(err: BaseException) -> str:
 
 def stage_help(stage: str) -> str:
     module = importlib.import_module(STAGES[stage][0])
-    return (f"eagle-train {stage} recipe.yaml [key=value ...] [--debug]\n\n{(module.__doc__ or '').strip()}\n\n"
+    return (f"usage: eagle-train {stage} recipe.yaml [key=value ...] [--debug]\n\n{(module.__doc__ or '').strip()}\n\n"
             f"Recipe sections read: {READS[stage]} (every key: eagle_train/recipe.py).\n"
             f"Example: eagle-train {stage} recipes/smollm2-135m-eagle3.yaml output_dir=outputs/try\n"
             "--debug (or EAGLE_TRAIN_DEBUG=1): show the full traceback of an error.")
