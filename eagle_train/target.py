@@ -107,14 +107,16 @@ def not_loadable(model: str, err: Exception) -> TargetError:
 
 def weights_digest(embed, lm_head, norm, dtype: str) -> str:
     """sha256 (16 hex) of the tensors a head shares with its target (embeddings, lm_head, final
-    norm) in the target's dtype: names the target's weights in dump manifests and heads without
-    hashing the whole model. Offline training reads the same tensors from the safetensors files."""
+    norm): names the target's weights in dump manifests and heads without hashing the whole model.
+    Offline training reads the same tensors from the safetensors files. Hashed rounded to bfloat16
+    whatever `dtype` the target runs in, so one target is one digest: a dump made with a bf16 target
+    (faster) trains a head that the fp32 target then evaluates and serves."""
     h = hashlib.sha256()
     for t in (embed, lm_head, norm):
         t = t.detach()
         h.update(str(tuple(t.shape)).encode())
         for chunk in t.reshape(t.shape[0], -1).split(8192):  # bounded memory for 128k-token vocabularies
-            h.update(chunk.to(DTYPES[dtype]).float().cpu().numpy().tobytes())
+            h.update(chunk.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
