@@ -78,7 +78,8 @@ def main(cfg, model=None) -> Dict[str, dict]:
     evals = load_split(data / "eval") if cfg.dump.include_eval else None
     if model is None:
         device = state.device if state.num_processes > 1 else cfg.target.device
-        model, _ = load_target(OmegaConf.merge(cfg.target, {"device": str(device)}), with_tokenizer=False)
+        model, _ = load_target(OmegaConf.merge(cfg.target, {"device": str(device), "dtype": run_dtype(cfg)}),
+                               with_tokenizer=False)
     header = dump_header(cfg, model)
     out = Path(cfg.dump.output)
     stats = {"train": dump_split(model, train, out, {**header, "split": "train"}, cfg.dump, state)}
@@ -99,6 +100,11 @@ def load_split(folder: Path):
     return load_from_disk(str(folder))
 
 
+def run_dtype(cfg) -> str:
+    """The dtype the target runs in for the dump."""
+    return cfg.dump.target_dtype or cfg.target.dtype
+
+
 def dump_header(cfg, model) -> dict:
     """Everything the features depend on; stored in the manifest and compared on reruns."""
     conf = model.config.get_text_config()
@@ -106,7 +112,7 @@ def dump_header(cfg, model) -> dict:
     aux = check_aux_layers(cfg.head.aux_layers, n) if cfg.head.type == "eagle3" else None
     t, d = cfg.target, cfg.data
     settings = {
-        "target": {"model": target_id(t), "revision": t.revision, "gguf_file": t.gguf_file, "dtype": t.dtype},
+        "target": {"model": target_id(t), "revision": t.revision, "gguf_file": t.gguf_file, "dtype": run_dtype(cfg)},
         "data": {k: d[k] for k in ("source", "format", "split", "max_length", "max_conversations",
                                    "system_prompt", "eval_fraction")},
         "dump": {"storage": cfg.dump.storage, "dtype": cfg.dump.dtype,

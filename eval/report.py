@@ -154,7 +154,8 @@ def write_sweep(sweep: dict, out_dir) -> Path:
     b = sweep["best"]
     lines = [f"# Tree sweep: {sweep.get('head', '')}", "",
              f"- target: `{sweep.get('target', '')}`, machine: {sweep.get('machine', '')}, "
-             f"temperature {sweep.get('temperature', 0):g}, prompts {sweep.get('n_prompts', '')}",
+             f"temperature {sweep.get('temperature', 0):g}, prompts {sweep.get('n_prompts', '')} "
+             f"(first turns of {', '.join(sweep.get('benchmarks', []))})",
              f"- vanilla tokens/s: {sweep.get('tokens_per_s_vanilla', 0):.1f}", "",
              f"**Best on this machine:** topk {b['topk']}, depth {b['depth']}, num_draft_tokens "
              f"{b['num_draft_tokens']} (tau {b['tau']:.3f}, speedup {b['speedup']:.3f}; SGLang "

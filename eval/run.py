@@ -453,11 +453,12 @@ def sweep_main(cfg) -> Path:
     lossless settings by measured speedup."""
     ecfg = cfg.eval
     check_eval_section(ecfg)
-    path = resolve_benchmark(ecfg.benchmarks[0], ecfg.benchmark_dir)
+    # prompts of every benchmark pooled, so the chosen tree is not tuned to one prompt set
+    paths = [resolve_benchmark(b, ecfg.benchmark_dir) for b in ecfg.benchmarks]
+    prompts = [p for path in paths for p in load_prompts(path, ecfg.max_prompts)]
     torch.manual_seed(ecfg.seed)
     model, tok, head, tid = setup(cfg)
     temp = float(ecfg.temperatures[0])
-    prompts = load_prompts(path, ecfg.max_prompts)
     settings = sweep_settings(ecfg)
     scfgs = [SpecConfig.from_eval(ecfg, temp, **s) for s in settings]
     for s in scfgs:  # warm each tree shape too
@@ -493,8 +494,8 @@ def sweep_main(cfg) -> Path:
         raise RuntimeError("every sweep setting's greedy output differs from the baseline: a decoder bug")
     best = max(lossless, key=lambda r: r["speedup"])
     sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load_average(),
-             "temperature": temp, "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results,
-             "best": best}
+             "temperature": temp, "benchmarks": [benchmark_label(b) for b in ecfg.benchmarks],
+             "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best}
     return write_sweep(sweep, ecfg.output)
 
 
