@@ -6,16 +6,18 @@ BIN := $(VENV)/bin
 # torch 2.13.0 is the CPU wheel this project is tested with; a newer torch pulls GBs of CUDA.
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-135m-eagle3.yaml
-# demo-sized overrides of the embedded-default recipe, ~15 min on 2 CPU cores (`make demo DEMO=` for the full run)
-DEMO ?= output_dir=outputs/demo data.max_conversations=150 data.max_length=384 \
-        train.max_steps=40 train.micro_batch_size=4 train.ttt_steps=2 \
-        train.warmup_steps=5 train.eval_every=20 train.save_every=20 train.eval_batches=4 \
-        eval.max_prompts=3 eval.max_new_tokens=64
+# demo: fine-tune the shipped head (heads/, made by `make full`) for a few steps on a small fresh dump,
+# then eval, export and a push dry run: every stage end to end in ~10 min on 2 CPU cores
+HEAD ?= heads/smollm2-135m-instruct-eagle3
+DEMO ?= output_dir=outputs/demo data.max_conversations=120 data.max_length=384 head.init=$(HEAD) \
+        train.max_steps=30 train.learning_rate=1e-4 train.warmup_steps=5 train.micro_batch_size=4 \
+        train.eval_every=15 train.save_every=15 train.eval_batches=4 train.snapshots=false \
+        'eval.benchmarks=[mt_bench]' eval.max_prompts=3 eval.max_new_tokens=64
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test clean
+.PHONY: install demo full test clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +37,16 @@ demo: install
 	$(BIN)/eagle-train eval   $(RECIPE) $(DEMO)
 	$(BIN)/eagle-train export $(RECIPE) $(DEMO)
 	$(BIN)/eagle-train push   $(RECIPE) $(DEMO) --dry-run hub.repo_id=me/SmolLM2-135M-Instruct-EAGLE3
+
+# the full recipe from scratch (prep, dump, train, tree sweep, eval, export), each stage resumable: rerun
+# `make full` after an interruption and it goes on where it stopped. ~1.5-2 h on 2 CPU cores.
+full: install
+	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
+	$(BIN)/eagle-train dump   $(RECIPE) $(FULL)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL)
+	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL)
+	$(BIN)/eagle-train eval   $(RECIPE) $(FULL)
+	$(BIN)/eagle-train export $(RECIPE) $(FULL)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--steps", type=int, nargs="*", help="measure tau only at these steps (default: every snapshot)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "curves.png")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
@@ -91,7 +92,8 @@ def main():
         taus = cache.setdefault(key, {})
         for row in rows:
             snap = run / "snapshots" / f"step-{row['step']}"
-            if str(row["step"]) not in taus and snap.is_dir():
+            wanted = a.steps is None or row["step"] in a.steps
+            if str(row["step"]) not in taus and snap.is_dir() and wanted:
                 t0 = time.perf_counter()
                 taus[str(row["step"])] = tau_of(model, tok, load_head(snap, target=model), prompts, scfg, refs)
                 print(f"[curves] {label} step {row['step']}: tau {taus[str(row['step'])]:.3f} "

@@ -129,7 +129,8 @@ class HeadConfig:
     # initial weights: none (random draft layer and lm_head), lm_head (EAGLE-3 norm + lm_head start
     # from the target's final norm and lm_head rows of the draft vocabulary), last_layer (lm_head, plus
     # the draft layer from the target's last decoder layer; starts by predicting token t+1, the one
-    # it is given). A/B on SmolLM2 in bench/RESULTS.md
+    # it is given), or a head folder (training output or export) to fine-tune, draft vocabulary
+    # included. A/B on SmolLM2 (bench/RESULTS.md): none learns fastest of the three
     init: str = "none"
     # EAGLE-1 fc bias (the original Vicuna heads had one; vLLM's Llama EAGLE heads do not)
     fc_bias: bool = False
@@ -281,7 +282,6 @@ CHOICES = {
     "dump.dtype": ("float32", "bfloat16", "float16", "float8"),
     "dump.target_dtype": ("float32", "bfloat16", "float16"),
     "head.type": ("eagle3", "eagle1"),
-    "head.init": ("none", "lm_head", "last_layer"),
     "train.loss_positions": ("assistant", "all"),
     "train.mode": ("offline", "online"),
     "train.engine": ("deepspeed", "ddp", "none"),
@@ -412,6 +412,8 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
     if any(t < 0 for t in cfg.eval.temperatures):
         problems.append(f"`eval.temperatures` = {list(cfg.eval.temperatures)} must be >= 0")
+    if cfg.head.init not in ("none", "lm_head", "last_layer") and not Path(cfg.head.init).expanduser().is_dir():
+        problems.append(f"`head.init` = {cfg.head.init!r} is not one of none, lm_head, last_layer, nor a head folder")
     if cfg.regen.temperature < 0:
         problems.append(f"`regen.temperature` = {cfg.regen.temperature} must be >= 0 (0: greedy)")
     if not 0 < cfg.regen.top_p <= 1:

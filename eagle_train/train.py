@@ -49,7 +49,7 @@ from eagle_train.draft_vocab import build_draft_vocab, count_tokens, draft_ids_o
 from eagle_train.features import decoder_of, target_features
 from eagle_train.files import atomic_write_text
 from eagle_train.heads import build_head, head_type, save_head
-from eagle_train.recipe import load_recipe, split_args
+from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eagle_train.target import load_target, resolve_model_path, target_id, weights_digest
 
 
@@ -330,6 +330,26 @@ def target_weights(cfg, target=None):
     return conf, found["embed"], found.get("lm_head", found["embed"]), found["norm"]  # tied embeddings
 
 
+INIT_NAMES = ("none", "lm_head", "last_layer")
+
+
+def start_head(init, head):
+    """The head of folder `init` (a training output or an export) when `head.init` names one; its
+    trained tensors must have this recipe's shapes."""
+    if init in INIT_NAMES:
+        return None
+    from eagle_train.heads import load_head
+
+    start = load_head(init)
+    theirs = start.state_dict()
+    bad = [f"{k} {tuple(theirs[k].shape) if k in theirs else 'missing'} vs {tuple(p.shape)}"
+           for k, p in head.named_parameters() if p.requires_grad and (k not in theirs or theirs[k].shape != p.shape)]
+    if head_type(start) != head_type(head) or bad:
+        raise RecipeError(f"head.init={init!r}: that {head_type(start)} head does not fit this recipe's "
+                          f"{head_type(head)} head: {'; '.join(bad[:3]) or 'head type'}")
+    return start
+
+
 def init_from_target(head, target, feature_scale):
     """`head.init=last_layer`: EAGLE-3's norm and lm_head from the target's final norm and lm_head
     rows, the draft layer from the target's last decoder layer where shapes allow (q/k/v: the
@@ -594,10 +614,14 @@ def main(cfg, target=None, stop_after=None):
     if kind == "eagle1":
         head.lm_head.weight.data.copy_(lm_head_w.float())
     feature_scale = None
+    start = start_head(cfg.head.init, head)  # head.init = a head folder: fine-tune that head
     if kind == "eagle3":
-        d2t, t2d = shared_draft_vocab(acc, out / "draft_vocab.safetensors",
-                                      lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size),
-                                      cfg.head.draft_vocab_size)
+        if start is not None:  # its draft vocabulary is part of what it learned
+            d2t, t2d = start.d2t, start.t2d
+        else:
+            d2t, t2d = shared_draft_vocab(acc, out / "draft_vocab.safetensors",
+                                          lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size),
+                                          cfg.head.draft_vocab_size)
         head.set_draft_vocab(d2t, t2d)
         if tc.feature_norm:
             if cfg.train.mode == "online":
@@ -614,6 +638,13 @@ def main(cfg, target=None, stop_after=None):
             head.norm.weight.copy_(norm_w.float())
     elif cfg.head.init == "last_layer":
         init_from_target(head, target if target is not None else load_target(cfg.target, False)[0], feature_scale)
+    elif start is not None:
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if p.requires_grad:
+                    p.copy_(start.state_dict()[name].float())
+            if feature_scale is not None:  # a saved fc has the scale folded in (trained_head); unfold it
+                head.fc.weight.mul_(feature_scale)
     draft_ids = draft_ids_of(head.d2t).to(dev) if kind == "eagle3" else None
     t2d_index = torch.full((tconf.vocab_size,), -1, dtype=torch.long)
     if kind == "eagle3":

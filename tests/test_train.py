@@ -224,3 +224,21 @@ def test_draft_vocab_barrier_is_entered_whether_or_not_the_file_exists(tmp_path)
     d2t_late, t2d_late = train.shared_draft_vocab(Acc(), path, count, 10)  # a late rank: file exists
     assert Acc.entered == 2 and len(counted) == 1
     assert torch.equal(d2t, d2t_late) and torch.equal(t2d, t2d_late) and int(t2d.sum()) == 10
+
+
+def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
+    """head.init=<head folder>: training starts from that head's weights and draft vocabulary (the
+    step-0 held-out accuracy is the trained head's, not a fresh one's); a head of other shapes is refused."""
+    target = make_tiny_llama(vocab_size=128)
+    for run in ("a", "b", "c"):
+        train.write_corpus(synthetic(), tmp_path / run / "data")
+    first = train.main(load_recipe(None, tiny_args(tmp_path / "a")), target=target)
+    res = train.main(load_recipe(None, tiny_args(tmp_path / "b", steps=2, extra=[f"head.init={first['final']}"])),
+                     target=target)
+    trained, again = first["metrics"], res["metrics"]
+    assert abs(again["eval0/acc_0"] - trained["eval/acc_0"]) < 0.02 and again["eval0/acc_0"] > trained["eval0/acc_0"] + 0.03
+    a, b = load_head(first["final"]), load_head(res["final"])
+    assert torch.equal(a.d2t, b.d2t)
+    with pytest.raises(Exception, match="head.init"):
+        train.main(load_recipe(None, tiny_args(tmp_path / "c", extra=[f"head.init={first['final']}",
+                                                                      "head.intermediate_size=32"])), target=target)
