@@ -129,14 +129,14 @@ def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch
 
 def test_finished_benchmarks_survive_a_later_failure(smollm2, head_dir, tmp_path, monkeypatch, shared_data):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
-    real = run.load_prompts
+    real = run.run_prompts
 
-    def failing(path, max_prompts=None):
-        if "gsm8k" in str(path):
+    def failing(model, tok, head, prompts, scfg, seed, desc, methods):  # every file is read up front: fail decoding
+        if "gsm8k" in desc:
             raise RuntimeError("disk gone")
-        return real(path, max_prompts)
+        return real(model, tok, head, prompts, scfg, seed, desc, methods)
 
-    monkeypatch.setattr(run, "load_prompts", failing)
+    monkeypatch.setattr(run, "run_prompts", failing)
     out = tmp_path / "eval"
     argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.benchmarks=[mt_bench,gsm8k]",
             f"eval.benchmark_dir={shared_data / 'eagle_eval'}", *EVAL_ARGS[:2], "eval.temperatures=[0.0]",

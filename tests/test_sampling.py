@@ -4,6 +4,7 @@ both a grossly and a subtly wrong acceptance rule must fail the same test."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -28,7 +29,8 @@ def setup():
     target = make_tiny_llama(vocab_size=V, layers=2, hidden=32, seed=0)
     target.lm_head.weight.data *= 8  # a peaked but not degenerate next-token distribution
     torch.manual_seed(1)
-    head = Eagle3Head(Eagle3Config.from_target(target.config, V, [0, 1, 2])).eval()
+    # embeddings, layer 1, post-norm output: no engine reads [0, 1, 2], but the rule under test holds for any head
+    head = Eagle3Head(dataclasses.replace(Eagle3Config.from_target(target.config, V), aux_layers=[0, 1, 2])).eval()
     head.load_target_embeddings(target)
     yield target, head
     torch.set_num_threads(threads)
