@@ -138,11 +138,16 @@ def check_folder(out: Path, settings: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**settings, "complete": False}, indent=2) + "\n")
         return
-    old = json.loads(path.read_text())
-    for k, v in settings.items():
-        if old.get(k) != v:
-            raise RecipeError(f"{out} (regen.output) holds replies generated with {k} = {old.get(k)!r}, but this "
-                              f"recipe gives {v!r}; refusing to mix them. Use another regen.output or delete it.")
+    differ = first_difference(json.loads(path.read_text()), settings)
+    if differ:
+        k, theirs, ours = differ
+        raise RecipeError(f"{out} (regen.output) holds replies generated with {k} = {theirs!r}, but this "
+                          f"recipe gives {ours!r}; refusing to mix them. Use another regen.output or delete it.")
+
+
+def first_difference(old: dict, settings: dict):
+    """(key, old value, new value) of the first setting that differs, or None."""
+    return next(((k, old.get(k), v) for k, v in settings.items() if old.get(k) != v), None)
 
 
 def end_of_turn_ids(tok, model) -> List[int]:
@@ -262,12 +267,10 @@ def regenerated_source(cfg) -> str:
     if not path.is_file() or not json.loads(path.read_text()).get("complete"):
         raise FileNotFoundError(f"regen.enabled=true but {cfg.regen.output} (regen.output) holds no complete "
                                 f"regeneration; run `eagle-train regen <recipe>` first (it resumes)")
-    settings = settings_of(cfg)
-    old = json.loads(path.read_text())
-    for k, v in settings.items():
-        if old.get(k) != v:
-            raise RecipeError(f"{path} was generated with {k} = {old.get(k)!r}, this recipe gives {v!r}; "
-                              f"rerun `eagle-train regen` into another regen.output")
+    differ = first_difference(json.loads(path.read_text()), settings_of(cfg))
+    if differ:
+        raise RecipeError(f"{path} was generated with {differ[0]} = {differ[1]!r}, this recipe gives {differ[2]!r}; "
+                          f"rerun `eagle-train regen` into another regen.output")
     return str(cfg.regen.output)
 
 
