@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-135m-eagle3.yaml
 # demo: fine-tune the shipped head (heads/, made by `make full`) for a few steps on a small fresh dump,
-# then eval, export and a push dry run: every stage end to end in ~10 min on 2 CPU cores
+# then eval, export and a push dry run: every stage end to end in ~6 min on 2 CPU cores (incl. install)
 HEAD ?= heads/smollm2-135m-instruct-eagle3
 DEMO ?= output_dir=outputs/demo data.max_conversations=120 data.max_length=384 head.init=$(HEAD) \
         train.max_steps=30 train.learning_rate=1e-4 train.warmup_steps=5 train.micro_batch_size=4 \
