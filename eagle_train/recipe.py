@@ -99,7 +99,7 @@ class DumpConfig:
     # k of the lean storage mode
     topk: int = 64
     # dtype the target runs in for the dump (None: target.dtype). bfloat16 on a CPU with native bf16
-    # dumps 1.7x faster than float32; its features differ by ~1.2% per token (fp8 storage: ~2%) and
+    # dumps 1.5-1.7x faster than float32; its features differ by ~1% per token (fp8 storage: ~2%) and
     # its top-1 agrees with fp32's on ~98% of tokens (bench/RESULTS.md); eval and serving keep target.dtype
     target_dtype: Optional[str] = None
     # dtype of stored hidden features: bfloat16, float16, float32, or float8 (e4m3 with one float32
