@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_prep.readers import Skips, read_conversations
+from data_prep.readers import Skips, read_conversations, with_system_prompt
 from data_prep.templates import TemplateError, special_ids, tokenize_conversation
 
 def _features():
@@ -116,10 +116,7 @@ def main(cfg) -> dict:
     bar = tqdm(read_conversations(source, fmt, d.split, skips, limit),
                total=limit, desc="read", unit="conv", dynamic_ncols=True)
     for conv in bar:
-        msgs = conv.messages
-        if d.system_prompt is not None and msgs[0]["role"] != "system":
-            msgs = [{"role": "system", "content": d.system_prompt}] + msgs
-        rows.append({"id": conv.id, "messages": msgs})
+        rows.append({"id": conv.id, "messages": with_system_prompt(conv.messages, d.system_prompt)})
     bar.close()
     n_read = len(rows) + sum(skips.counts.values()) - skips.counts.get("truncated_file_tail", 0)
     if not rows:

@@ -146,6 +146,13 @@ def normalize(record, fmt: str = "auto", skips: Optional[Skips] = None) -> List[
     return msgs
 
 
+def with_system_prompt(messages: List[Dict[str, str]], system_prompt: Optional[str]) -> List[Dict[str, str]]:
+    """`data.system_prompt` in front of a conversation that has no system turn of its own."""
+    if system_prompt is None or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}] + messages
+
+
 def record_id(record, where: str) -> str:
     if isinstance(record, dict):
         for key in ("id", "question_id", "conversation_id"):

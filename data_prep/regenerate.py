@@ -37,8 +37,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from data_prep.readers import Skips, read_conversations
-from data_prep.templates import render
+from data_prep.readers import Skips, read_conversations, with_system_prompt
+from data_prep.templates import render, special_ids
 from eagle_train.files import atomic_write_text
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eagle_train.target import load_target, resolve_device, target_id
@@ -84,10 +84,7 @@ def main(cfg, model=None, tok=None) -> dict:
     skips = Skips()
     convs = []
     for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations):
-        msgs = c.messages
-        if cfg.data.system_prompt is not None and msgs[0]["role"] != "system":
-            msgs = [{"role": "system", "content": cfg.data.system_prompt}] + msgs
-        convs.append((c.id, msgs))
+        convs.append((c.id, with_system_prompt(c.messages, cfg.data.system_prompt)))
     if not convs:
         raise ValueError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)})")
     size = cfg.regen.shard_size
@@ -114,11 +111,10 @@ def main(cfg, model=None, tok=None) -> dict:
     state.wait_for_everyone()
     summary = {}
     if state.is_main_process:
-        total = Counter()
-        for p in sorted((out / "progress").glob("shard-*.json")):
+        total, records = Counter(), sorted((out / "progress").glob("shard-*.json"))
+        for p in records:
             total.update(json.loads(p.read_text()))
-        done = len(list((out / "progress").glob("shard-*.json")))
-        summary = {**settings, "complete": done == len(shards), "shards": len(shards), "conversations_read": len(convs),
+        summary = {**settings, "complete": len(records) == len(shards), "shards": len(shards), "conversations_read": len(convs),
                    "skipped_records": dict(skips.counts), "counts": dict(sorted(total.items()))}
         atomic_write_text(out / "regen.json", json.dumps(summary, indent=2) + "\n")
         c = summary["counts"]
@@ -156,7 +152,7 @@ def end_of_turn_ids(tok, model) -> List[int]:
     marker = "REPLY-END-MARKER"
     text = render(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
     ids = tok(text[text.index(marker) + len(marker):], add_special_tokens=False)["input_ids"]
-    specials = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    specials = special_ids(tok)
     found = [i for i in ids if i in specials][:1]
     gen = model.generation_config.eos_token_id
     gen = gen if isinstance(gen, list) else [gen]
