@@ -811,7 +811,8 @@ def log_curve(acc, out, step, progress, metrics):
 def trim_curve(acc, out, step):
     path = out / "curve.jsonl"
     if acc.is_main_process and path.is_file():
-        rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] < step + (step > 0)]
+        # resuming at `step`: keep the rows up to it; a fresh start (step 0) keeps none
+        rows = [r for r in path.read_text().splitlines() if r.strip() and step and json.loads(r)["step"] <= step]
         atomic_write_text(path, "".join(r + "\n" for r in rows))
 
 
