@@ -21,7 +21,8 @@ Output: `<regen.output>/shard-<index>.jsonl` ({"id", "messages"} records, what `
 under a temp name and renamed, `<regen.output>/progress/shard-<index>.json` (its counts), and
 `regen.json` (settings, counts, complete). A rerun skips the shards already written, so a killed run
 resumes where it was and ends with the same files as an uninterrupted one (sampling is seeded per
-shard); a rerun with other settings into the same folder is refused, naming the setting.
+shard); a rerun with other settings into the same folder is refused, naming the setting. Each record
+carries its shard's sha256: a damaged shard is redone by a rerun, and prep refuses to read it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from tqdm import tqdm
 
 from data_prep.readers import Skips, read_conversations, with_system_prompt
 from data_prep.templates import render, special_ids
+from eagle_train.dump_reader import sha256_file
+from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eagle_train.target import load_target, resolve_device, target_id
@@ -74,6 +77,7 @@ def main(cfg, model=None, tok=None) -> dict:
     state = PartialState(cpu=resolve_device(cfg.target.device).type == "cpu")
     out = Path(cfg.regen.output)
     settings = settings_of(cfg)
+    check_values(cfg)
     check_folder(out, settings)
     if model is None:
         device = state.device if state.num_processes > 1 else cfg.target.device
@@ -86,11 +90,12 @@ def main(cfg, model=None, tok=None) -> dict:
     for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations):
         convs.append((c.id, with_system_prompt(c.messages, cfg.data.system_prompt)))
     if not convs:
-        raise ValueError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)})")
+        raise CorpusError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)}, "
+                          f"data.max_conversations={cfg.data.max_conversations}); check data.source and data.format")
     size = cfg.regen.shard_size
     shards = [convs[i:i + size] for i in range(0, len(convs), size)]
     todo = [i for i in range(len(shards)) if i % state.num_processes == state.process_index
-            and not (out / "progress" / f"shard-{i:05d}.json").is_file()]
+            and shard_record(out, i) is None]  # a damaged shard is redone (sampling is seeded per shard)
     (out / "progress").mkdir(parents=True, exist_ok=True)
 
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc=f"regen [rank {state.process_index}]",
@@ -101,7 +106,8 @@ def main(cfg, model=None, tok=None) -> dict:
         new_tokens += counts["new_tokens"]
         atomic_write_text(out / f"shard-{i:05d}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                                for r in records))
-        atomic_write_text(out / "progress" / f"shard-{i:05d}.json", json.dumps(dict(counts)))
+        atomic_write_text(out / "progress" / f"shard-{i:05d}.json",
+                          json.dumps({**counts, "sha256": sha256_file(out / f"shard-{i:05d}.jsonl")}))
         if on_shard_written is not None:
             on_shard_written(out, i)
         bar.update(len(shards[i]))
@@ -111,10 +117,10 @@ def main(cfg, model=None, tok=None) -> dict:
     state.wait_for_everyone()
     summary = {}
     if state.is_main_process:
-        total, records = Counter(), sorted((out / "progress").glob("shard-*.json"))
-        for p in records:
-            total.update(json.loads(p.read_text()))
-        summary = {**settings, "complete": len(records) == len(shards), "shards": len(shards), "conversations_read": len(convs),
+        total, records = Counter(), [shard_record(out, i) for i in range(len(shards))]
+        for r in filter(None, records):
+            total.update({k: v for k, v in r.items() if k != "sha256"})
+        summary = {**settings, "complete": all(records), "shards": len(shards), "conversations_read": len(convs),
                    "skipped_records": dict(skips.counts), "counts": dict(sorted(total.items()))}
         atomic_write_text(out / "regen.json", json.dumps(summary, indent=2) + "\n")
         c = summary["counts"]
@@ -123,6 +129,45 @@ def main(cfg, model=None, tok=None) -> dict:
               f"prompt_too_long {c.get('prompt_too_long', 0)}, no_reply {c.get('no_reply', 0)}")
     state.wait_for_everyone()
     return summary
+
+
+def check_values(cfg) -> None:
+    """What regen reads that the recipe's validate leaves open (a negative max_turns would slice
+    off the last user turns without a word)."""
+    problems = []
+    if cfg.regen.max_turns is not None and cfg.regen.max_turns < 1:
+        problems.append(f"`regen.max_turns` = {cfg.regen.max_turns} must be >= 1 (None: every user turn)")
+    if cfg.data.max_conversations is not None and cfg.data.max_conversations < 1:
+        problems.append(f"`data.max_conversations` = {cfg.data.max_conversations} must be >= 1 (None: all)")
+    if problems:
+        raise RecipeError("; ".join(problems))
+
+
+def read_summary(path: Path) -> dict:
+    """regen.json as a dict, or one error naming it."""
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise TypeError(type(summary).__name__)
+    except (ValueError, TypeError) as err:
+        raise CorpusError(f"{path} is damaged ({type(err).__name__}: {str(err)[:120]}); it holds the settings the "
+                          f"replies were generated with, so they cannot be checked: delete {path.parent} and rerun "
+                          "`eagle-train regen <recipe>`, or use another regen.output") from None
+    return summary
+
+
+def shard_record(out: Path, i: int):
+    """progress/shard-<i>.json when it and the shard it describes are intact (sha256), else None."""
+    try:
+        record = json.loads((out / "progress" / f"shard-{i:05d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    shard = out / f"shard-{i:05d}.jsonl"
+    if not isinstance(record, dict) or not shard.is_file():
+        return None
+    if "sha256" in record and record["sha256"] != sha256_file(shard):
+        return None
+    return record
 
 
 def check_folder(out: Path, settings: dict) -> None:
@@ -134,7 +179,7 @@ def check_folder(out: Path, settings: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**settings, "complete": False}, indent=2) + "\n")
         return
-    differ = first_difference(json.loads(path.read_text()), settings)
+    differ = first_difference(read_summary(path), settings)
     if differ:
         k, theirs, ours = differ
         raise RecipeError(f"{out} (regen.output) holds replies generated with {k} = {theirs!r}, but this "
@@ -259,14 +304,21 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
 
 def regenerated_source(cfg) -> str:
     """What prep reads with regen.enabled: the regen output, once it is complete."""
-    path = Path(cfg.regen.output) / "regen.json"
-    if not path.is_file() or not json.loads(path.read_text()).get("complete"):
+    out = Path(cfg.regen.output)
+    path = out / "regen.json"
+    summary = read_summary(path) if path.is_file() else {}
+    if not summary.get("complete"):
         raise FileNotFoundError(f"regen.enabled=true but {cfg.regen.output} (regen.output) holds no complete "
                                 f"regeneration; run `eagle-train regen <recipe>` first (it resumes)")
-    differ = first_difference(json.loads(path.read_text()), settings_of(cfg))
+    differ = first_difference(summary, settings_of(cfg))
     if differ:
         raise RecipeError(f"{path} was generated with {differ[0]} = {differ[1]!r}, this recipe gives {differ[2]!r}; "
                           f"rerun `eagle-train regen` into another regen.output")
+    damaged = [f"shard-{i:05d}.jsonl" for i in range(int(summary.get("shards", 0))) if shard_record(out, i) is None]
+    if damaged:
+        raise CorpusError(f"{out} (regen.output): {', '.join(damaged[:4])}{' ...' if len(damaged) > 4 else ''} "
+                          "missing, damaged or not matching its progress/ record (sha256); rerun `eagle-train regen "
+                          "<recipe>`: it redoes those shards")
     return str(cfg.regen.output)
 
 

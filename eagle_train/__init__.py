@@ -1,9 +1,12 @@
 """eagle-train. Importing the package checks the installed libraries against the version ranges
-in pyproject.toml (the ones the tests ran on); EAGLE_TRAIN_SKIP_VERSION_CHECK=1 skips the check."""
+in pyproject.toml (the ones the tests ran on); EAGLE_TRAIN_SKIP_VERSION_CHECK=1 skips the check.
+A library import gets a DependencyError to catch; a command (`eagle-train <stage>`, `python
+eagle_train/train.py`) that leaves it uncaught prints it as one line and exits non-zero."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -53,9 +56,24 @@ def check_versions() -> None:
         return
     bad = version_problems(declared_requirements(), _installed)
     if bad:
+        _one_line_when_uncaught(DependencyError)
         raise DependencyError("eagle-train was tested with other library versions than these installed ones: "
                               + "; ".join(bad) + ". Install the declared ranges (pip install -e .), or set "
                               "EAGLE_TRAIN_SKIP_VERSION_CHECK=1 to run untested")
+
+
+def _one_line_when_uncaught(kind) -> None:
+    """The check runs at import, before any stage's error handler: when nothing catches the error
+    (a command, not a library user), print it as the CLI prints errors instead of a traceback."""
+    previous = sys.excepthook
+
+    def hook(etype, err, tb):
+        debug = "--debug" in sys.argv or os.environ.get("EAGLE_TRAIN_DEBUG", "") not in ("", "0")
+        if not isinstance(err, kind) or debug:
+            return previous(etype, err, tb)
+        print(f"\neagle-train: error: {err} (--debug shows the traceback)", file=sys.stderr)
+
+    sys.excepthook = hook
 
 
 check_versions()

@@ -122,18 +122,44 @@ def load_head(path, target=None, map_location="cpu"):
     return head
 
 
-def head_provenance(path) -> dict:
-    """{target, target_digest} a head folder records (training output or export); {} when unknown."""
+def head_provenance(path, cfg=None) -> dict:
+    """{target, target_digest, tokenizer_digest} a head folder records (training output or export);
+    {} when unknown. A head under this recipe's `train.output` that records no tokenizer digest takes
+    the one of the corpus it was trained on (`data.output/stats.json`, else the dump manifest)."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         return {}
     meta = read_config(cfg_file)
     info = (meta.get("eagle_train") or {}).get("train_state") or meta.get("eagle_train_export") or {}
-    return {k: info.get(k) for k in ("target", "target_digest") if info.get(k) is not None}
+    out = {k: info.get(k) for k in ("target", "target_digest", "tokenizer_digest") if info.get(k) is not None}
+    if "tokenizer_digest" not in out and cfg is not None and _inside(path, cfg.train.output):
+        for record in (Path(cfg.data.output) / "stats.json", Path(cfg.dump.output) / "manifest.json"):
+            digest = _json_field(record, "tokenizer_digest")
+            if digest:
+                out.update(tokenizer_digest=digest, tokenizer_record=str(record))
+                break
+    return out
 
 
-def check_head_matches(head, provenance: dict, cfg, target_digest=None, where="eval.head") -> None:
-    """Refuse a head made for another head type, aux layers or target than the recipe says."""
+def _inside(path, folder) -> bool:
+    try:
+        Path(path).expanduser().resolve().relative_to(Path(folder).expanduser().resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _json_field(path, key):
+    try:
+        return json.loads(Path(path).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):  # absent or damaged: its own reader reports it
+        return None
+
+
+def check_head_matches(head, provenance: dict, cfg, target_digest=None, where="eval.head",
+                       tokenizer_digest=None) -> None:
+    """Refuse a head made for another head type, aux layers, target weights or tokenizer / chat
+    template than the recipe says."""
     problems, kind = [], head_type(head)
     if kind != cfg.head.type:
         problems.append(f"it is an {kind} head but the recipe says head.type={cfg.head.type}")
@@ -144,5 +170,11 @@ def check_head_matches(head, provenance: dict, cfg, target_digest=None, where="e
     if theirs and target_digest and theirs != target_digest:
         problems.append(f"it was trained on target {provenance.get('target')!r} (weights digest {theirs}) but "
                         f"target.model={cfg.target.model!r} has weights digest {target_digest}")
+    theirs = provenance.get("tokenizer_digest")
+    if theirs and tokenizer_digest and theirs != tokenizer_digest:
+        record = f" ({provenance['tokenizer_record']})" if provenance.get("tokenizer_record") else ""
+        problems.append(f"it was trained on text rendered with tokenizer/chat-template digest {theirs}{record} but "
+                        f"the tokenizer of target.model={cfg.target.model!r} has digest {tokenizer_digest} "
+                        "(another vocabulary or chat template: the head drafts for other token sequences)")
     if problems:
         raise HeadError(f"{where}: " + "; ".join(problems) + ". Use the head trained for this recipe, or fix the recipe")

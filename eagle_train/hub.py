@@ -18,8 +18,10 @@ import os
 import sys
 from pathlib import Path
 
+from eagle_train.errors import EagleError
 
-class PushError(RuntimeError):
+
+class PushError(EagleError, RuntimeError):
     """A push that cannot start or failed; the message is safe to print (no token)."""
 
 
@@ -60,6 +62,22 @@ def _remote(api, repo_id: str, revision: str | None):
         except RevisionNotFoundError:
             files = []
     return True, info.private, files
+
+
+def _hub_failure(err, token) -> str:
+    """The client's error in one line, token scrubbed, and what to do about it."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    first = (_scrub(str(err), token).strip().splitlines() or [""])[0][:300]
+    if isinstance(err, OfflineModeIsEnabled):
+        todo = "the hub client is offline (HF_HUB_OFFLINE is set): unset it and push again"
+    elif isinstance(err, HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 403):
+        todo = "the token was refused: check it has write access to the repo (hf auth login) and push again"
+    elif isinstance(err, HfHubHTTPError):
+        todo = "the hub answered with an error: check hub.repo_id and hub.revision, then push again"
+    else:  # connection refused, DNS, timeout, proxy
+        todo = "the hub is not reachable: check the network (or hub.endpoint / HF_ENDPOINT) and push again"
+    return f"{type(err).__name__}: {first}; {todo} (the files go in one commit: a failed push leaves no partial upload)"
 
 
 def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str | None = None,
@@ -113,7 +131,7 @@ def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str 
         info = api.create_commit(repo_id=hub.repo_id, operations=ops, revision=revision,
                                  commit_message=f"eagle-train export of {cfg.head.type} head for {cfg.target.model}")
     except Exception as err:  # report without a traceback that could carry request headers
-        raise PushError(f"upload to {where} failed: {type(err).__name__}: {_scrub(str(err), token)}") from None
+        raise PushError(f"upload to {where} failed: {_hub_failure(err, token)}") from None
     deleted = f", deleted {len(stale)} stale" if delete_stale and stale else ""
     print(f"[push] uploaded {len(files)} files{deleted} to {url} ({getattr(info, 'commit_url', '')})")
     return 0
@@ -130,12 +148,7 @@ def cli(argv) -> int:
     ap.add_argument("--revision", help="branch to push to (created when missing)")
     args, rest = ap.parse_known_args(list(argv))
     path, overrides = split_args(rest)
-    cfg = load_recipe(path, overrides)
-    try:
-        return main(cfg, args.dry_run, args.private, args.revision, args.delete_stale)
-    except PushError as err:
-        print(f"eagle-train push: error: {err}", file=sys.stderr)
-        return 1
+    return main(load_recipe(path, overrides), args.dry_run, args.private, args.revision, args.delete_stale)
 
 
 if __name__ == "__main__":

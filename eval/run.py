@@ -347,7 +347,7 @@ def check_head_fits(head, model, where) -> None:
 def setup(cfg):
     """Target, tokenizer and head (on the target's device), every method warmed up."""
     from eagle_train.heads import check_head_matches, head_provenance, load_head
-    from eagle_train.target import load_target, model_digest, target_id
+    from eagle_train.target import load_target, model_digest, target_id, tokenizer_digest
 
     model, tok = load_target(cfg.target)
     model.eval()
@@ -361,8 +361,8 @@ def setup(cfg):
     except ValueError:  # an export naming no aux layers takes the target's default ones
         head = load_head(cfg.eval.head, target=model)
     check_head_fits(head, model, cfg.eval.head)
-    check_head_matches(head, head_provenance(where), cfg, model_digest(model, cfg.target.dtype),
-                       f"eval.head = {cfg.eval.head}")
+    check_head_matches(head, head_provenance(where, cfg), cfg, model_digest(model, cfg.target.dtype),
+                       f"eval.head = {cfg.eval.head}", tokenizer_digest(tok))
     head.load_target_embeddings(model)
     head = head.to(model.device).eval()
     ids = render(tok, [{"role": "user", "content": "hi"}])

@@ -244,9 +244,213 @@ CASES = [
 ]
 
 
+# ---------------------------------------------------------------- second round: new cases of every class
+def regen_folder(w, c, *overrides, damage=None):
+    """A complete regen output for the world recipe (what `eagle-train regen` leaves), then `damage`."""
+    from data_prep.regenerate import settings_of
+    from eagle_train.dump_reader import sha256_file
+    from eagle_train.recipe import load_recipe
+
+    out = c / "regen"
+    (out / "progress").mkdir(parents=True)
+    settings = settings_of(load_recipe(w / "recipe.yaml", [f"regen.output={out}", *overrides]))
+    lines = (w / "corpus.jsonl").read_text().splitlines()[:4]
+    (out / "shard-00000.jsonl").write_text("".join(
+        json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": f"reply {i} {len(x)}"}]}) + "\n"
+        for i, x in enumerate(lines)))
+    (out / "progress/shard-00000.json").write_text(json.dumps(
+        {"conversations": 4, "replies": 4, "sha256": sha256_file(out / "shard-00000.jsonl")}))
+    (out / "regen.json").write_text(json.dumps({**settings, "complete": True, "shards": 1}))
+    if damage:
+        damage(out)
+    return out
+
+
+def recipe_text(stage, text):
+    def build(w, c):
+        (c / "r.yaml").write_text(text)
+        return [stage, str(c / "r.yaml")]
+    return build
+
+
+def prep_from_regen(damage):
+    def build(w, c):
+        out = regen_folder(w, c, damage=damage)
+        return ["prep", str(w / "recipe.yaml"), "regen.enabled=true", f"regen.output={out}", f"data.output={c}/data"]
+    return build
+
+
+def regen_rerun_other_settings(w, c):
+    out = regen_folder(w, c, "regen.max_new_tokens=8")
+    return ["regen", str(w / "recipe.yaml"), f"regen.output={out}", "regen.max_new_tokens=16"]
+
+
+def regen_json_damaged(w, c):
+    out = regen_folder(w, c, damage=lambda o: truncate(o / "regen.json"))
+    return ["regen", str(w / "recipe.yaml"), f"regen.output={out}"]
+
+
+def regen_as(*extra):
+    def build(w, c):
+        return ["regen", str(w / "recipe.yaml"), f"regen.output={c}/regen", *extra]
+    return build
+
+
+def prep_from(make_source):
+    def build(w, c):
+        return ["prep", str(w / "recipe.yaml"), f"data.source={make_source(w, c)}", f"data.output={c}/data"]
+    return build
+
+
+def binary_jsonl(w, c):
+    (c / "noise.jsonl").write_bytes(bytes(range(256)) * 64)
+    return c / "noise.jsonl"
+
+
+def empty_folder(w, c):
+    (c / "corpus").mkdir()
+    (c / "corpus/readme.txt").write_text("not a corpus")
+    return c / "corpus"
+
+
+def push_as(*extra, token=None):
+    def build(w, c):
+        env = {"HF_TOKEN": token or "", "EAGLE_TEST_TOKEN": token or "", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+               "HF_HOME": str(c / "hf-home")}  # no saved login either
+        return ["push", str(w / "recipe.yaml"), f"hub.export_dir={w}/run/export", *extra], env
+    return build
+
+
+def other_chat_template(w, c):
+    """The world's target with one character more in its chat template: same weights, other token sequences."""
+    target = shutil.copytree(w / "target", c / "target_tpl")
+    jinja = target / "chat_template.jinja"
+    if jinja.is_file():
+        jinja.write_text(jinja.read_text() + " ")
+    else:
+        edit_json(target / "tokenizer_config.json", lambda t: t.update(chat_template=t["chat_template"] + " "))
+    return eval_as(f"target.model={target}")(w, c)
+
+
+def head_records_tokenizer(digest):
+    def damage(h):
+        edit_json(h / "config.json", lambda m: m["eagle_train"]["train_state"].update(tokenizer_digest=digest))
+    return damaged_head("train/final", damage)
+
+
+def drop_tensor(name):
+    def damage(h):
+        state = load_file(h / "model.safetensors")
+        del state[name]
+        save_file(state, h / "model.safetensors", metadata={"format": "pt"})
+    return damage
+
+
+def reshape_tensor(name):
+    def damage(h):
+        state = load_file(h / "model.safetensors")
+        state[name] = state[name][:, :-1].contiguous()
+        save_file(state, h / "model.safetensors", metadata={"format": "pt"})
+    return damage
+
+
+def benchmark(text):
+    def build(w, c):
+        (c / "bench.jsonl").write_text(text)
+        return ["eval", str(w / "recipe.yaml"), f"eval.benchmarks=[{c}/bench.jsonl]", f"eval.output={c}/eval"]
+    return build
+
+
+CASES += [
+    # recipe structure
+    ("recipe-empty-file", recipe_text("dump", ""), r"target\.model"),
+    ("recipe-yaml-syntax", recipe_text("prep", "target: [unclosed\n"), r"r\.yaml: not valid YAML"),
+    ("recipe-key-typo-in-file", recipe_text("train", "target: {model: x}\ndata: {source: y}\ntrain: {lerning_rate: 1}\n"),
+     r"train\.lerning_rate"),
+    ("recipe-unknown-key", lambda w, c: offline(w, c, "train.lerning_rate=1e-3"), r"train\.lerning_rate"),
+    ("recipe-wrong-type", lambda w, c: offline(w, c, "train.max_steps=abc"), r"train\.max_steps"),
+    ("recipe-two-files", lambda w, c: ["eval", str(w / "recipe.yaml"), str(w / "recipe.yaml")],
+     r"expected one recipe file"),
+    # missing target
+    ("regen-target-missing", regen_as(f"target.model={{c}}/no-such-model"), r"target\.model=.*no-such-model"),
+    ("eval-target-missing", eval_as("target.model={c}/no-such-model"), r"target\.model=.*no-such-model"),
+    ("prep-target-missing", lambda w, c: ["prep", str(w / "recipe.yaml"), f"target.model={c}/no-such-model",
+                                          f"data.output={c}/data"], r"no-such-model"),
+    # invalid values
+    ("regen-max-turns-negative", regen_as("regen.max_turns=-1"), r"regen\.max_turns"),
+    ("regen-top-p-zero", regen_as("regen.top_p=0"), r"regen\.top_p"),
+    ("regen-shard-size-zero", regen_as("regen.shard_size=0"), r"regen\.shard_size"),
+    ("regen-temperature-negative", regen_as("regen.temperature=-0.5"), r"regen\.temperature"),
+    ("regen-max-conversations-zero", regen_as("data.max_conversations=0"), r"data\.max_conversations"),
+    ("negative-warmup", lambda w, c: offline(w, c, "train.warmup_steps=-1"), r"train\.warmup_steps"),
+    ("eval-depth-zero", eval_as("eval.depth=0"), r"eval\.depth"),
+    # regen artifacts
+    ("regen-rerun-other-settings", regen_rerun_other_settings, r"max_new_tokens = 8.*16"),
+    ("regen-json-damaged", regen_json_damaged, r"regen\.json is damaged"),
+    ("regen-shard-truncated", prep_from_regen(lambda o: truncate(o / "shard-00000.jsonl")),
+     r"shard-00000\.jsonl.*sha256"),
+    ("regen-shard-missing", prep_from_regen(lambda o: (o / "shard-00000.jsonl").unlink()),
+     r"shard-00000\.jsonl.*missing"),
+    ("regen-incomplete", prep_from_regen(lambda o: edit_json(o / "regen.json", lambda r: r.update(complete=False))),
+     r"no complete regeneration"),
+    # corpus
+    ("corpus-hub-offline", prep_from(lambda w, c: "nobody/no-such-dataset"),
+     r"data\.source='nobody/no-such-dataset' is not a local file"),
+    ("corpus-binary-jsonl", prep_from(binary_jsonl), r"no usable conversation"),
+    ("corpus-folder-without-files", prep_from(empty_folder), r"folder has no"),
+    ("corpus-missing-file", prep_from(lambda w, c: c / "none.jsonl"), r"none\.jsonl.*not found"),
+    # shard
+    ("shard-emptied", damaged_dump(lambda d: first(d, "shard-*.safetensors").write_bytes(b"")),
+     r"shard-r000-.*sha256"),
+    ("eval-shard-flipped", damaged_dump(lambda d: flip(first(d, "eval/shard-*.safetensors"))),
+     r"eval/shard-r000-.*sha256"),
+    # manifest
+    ("manifest-not-an-object", damaged_dump(lambda d: (d / "manifest.json").write_text("[]")),
+     r"manifest\.json is damaged"),
+    ("manifest-incomplete", damaged_dump(lambda d: edit_json(d / "manifest.json", lambda m: m.update(complete=False))),
+     r"incomplete"),
+    ("manifest-other-tokenizer", damaged_dump(lambda d: edit_json(
+        d / "manifest.json", lambda m: m.update(tokenizer_digest="0" * 16))), r"tokenizer_digest = '0000000000000000'"),
+    # checkpoint
+    ("checkpoint-weights-missing", damaged_checkpoint(lambda k: (k / "model.safetensors").unlink()),
+     r"checkpoint/model\.safetensors"),
+    ("checkpoint-state-not-object", damaged_checkpoint(lambda k: (k / "train_state.json").write_text("[1, 2]")),
+     r"train_state\.json"),
+    # head shapes
+    ("head-tensor-missing", damaged_head("train/final", drop_tensor("fc.weight")), r"missing \['fc\.weight'\]"),
+    ("head-tensor-reshaped", damaged_head("train/final", reshape_tensor("fc.weight")),
+     r"tensor shapes do not match.*fc\.weight"),
+    # tokenizer / chat template (eval)
+    ("eval-other-chat-template", other_chat_template, r"tokenizer/chat-template digest"),
+    ("eval-head-records-other-tokenizer", head_records_tokenizer("f" * 16), r"digest ffffffffffffffff"),
+    # check
+    ("check-weights-missing", damaged_head("export", lambda h: (h / "model.safetensors").unlink(), "check"),
+     r"model\.safetensors"),
+    ("check-config-not-object", damaged_head("export", lambda h: (h / "config.json").write_text("[1]"), "check"),
+     r"config\.json"),
+    ("check-no-folder", lambda w, c: ["check", str(c / "no-such-export")], r"no-such-export"),
+    # benchmark file
+    ("benchmark-missing", lambda w, c: eval_as(f"eval.benchmarks=[{c}/none.jsonl]")(w, c), r"none\.jsonl"),
+    ("benchmark-no-turns", benchmark('{"question_id": 1, "text": "hello"}\n'), r"bench\.jsonl:1: record has neither"),
+    ("benchmark-empty", benchmark(""), r"bench\.jsonl: no prompts"),
+    # hub
+    ("push-no-token", push_as("hub.repo_id=me/tiny"), r"no Hugging Face token"),
+    ("push-no-repo-id", push_as(), r"hub\.repo_id"),
+    ("push-hub-unreachable", push_as("hub.repo_id=me/tiny", "hub.endpoint=http://127.0.0.1:9", token="hf_x"),
+     r"hub is not reachable"),
+    ("push-export-missing", push_as("hub.repo_id=me/tiny", "hub.export_dir={c}/no-export"), r"no-export"),
+]
+
+
 @pytest.mark.parametrize("build,culprit", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line(world, tmp_path, capsys, build, culprit):
-    argv = [a.replace("{w}", str(world)) for a in build(world, tmp_path)]
+def test_bad_input_is_one_line(world, tmp_path, capsys, monkeypatch, build, culprit):
+    argv, env = build(world, tmp_path), {}
+    if isinstance(argv, tuple):
+        argv, env = argv
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = [str(a).replace("{w}", str(world)).replace("{c}", str(tmp_path)) for a in argv]
     before = digests(world, tmp_path)
     rc = cli.main(argv)
     out, err = capsys.readouterr()
@@ -350,3 +554,33 @@ def test_version_check_names_the_versions():
     assert any(r.startswith("transformers>=5") for r in reqs), reqs
     assert version_problems(reqs, {"transformers": "4.56.0"}.get) == ["transformers 4.56.0 (declared <6,>=5.24)"]
     assert version_problems(reqs, {"torch": "2.13.0+cpu", "transformers": "5.24.0"}.get) == []
+
+
+def test_out_of_range_library_is_one_line_at_every_entry_point(tmp_path):
+    """A fake older transformers (a dist-info ahead of site-packages: importlib.metadata reports it,
+    the real package still imports): each command prints one line naming installed and declared
+    versions and what to do, exits non-zero; a library import raises DependencyError; the skip
+    variable lets it run."""
+    meta = tmp_path / "transformers-4.56.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.56.0\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    env.pop("EAGLE_TRAIN_SKIP_VERSION_CHECK", None)
+    env.pop("EAGLE_TRAIN_DEBUG", None)
+    recipe = str(ROOT / "recipes/smollm2-135m-eagle3.yaml")
+    for argv in ([str(Path(sys.executable).parent / "eagle-train"), "prep", recipe],
+                 [sys.executable, "eagle_train/train.py", recipe], [sys.executable, "-m", "data_prep.dump", recipe]):
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(lines) == 1, (argv, proc.stderr)
+        assert re.search(r"^eagle-train: error: .*transformers 4\.56\.0 \(declared <6,>=5\.24\)\. Install the "
+                         r"declared ranges \(pip install -e \.\), or set EAGLE_TRAIN_SKIP_VERSION_CHECK=1", lines[0])
+        assert proc.stdout == ""
+    catch = "try:\n    import eagle_train\nexcept ImportError as err:\n    print('raised', type(err).__name__, err)"
+    proc = subprocess.run([sys.executable, "-c", catch], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("raised DependencyError eagle-train was tested"), proc.stderr
+    proc = subprocess.run([str(Path(sys.executable).parent / "eagle-train"), "prep", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "EAGLE_TRAIN_SKIP_VERSION_CHECK": "1"})
+    assert proc.returncode == 0 and "usage: eagle-train prep" in proc.stdout, proc.stderr

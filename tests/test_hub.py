@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from eagle_train import export, hub
+from eagle_train import cli, export, hub
 from eagle_train.heads import build_head
 from eagle_train.recipe import HeadConfig
 
@@ -132,7 +132,7 @@ def test_push_without_token_stops_before_network(recipe, capsys, no_token, fake_
         raise AssertionError("network client used without a token")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", boom)
-    assert hub.cli([recipe, f"hub.endpoint={endpoint}"]) == 1
+    assert cli.main(["push", recipe, f"hub.endpoint={endpoint}"]) == 2
     err = capsys.readouterr().err
     assert "no Hugging Face token" in err and "EAGLE_TEST_TOKEN" in err and "HF_TOKEN" in err
     assert server.requests == []
@@ -144,7 +144,7 @@ def test_push_refuses_failing_export(recipe, exported, capsys, fake_hub, monkeyp
     state = load_file(exported / "model.safetensors")
     del state["d2t"]
     save_file(state, exported / "model.safetensors")
-    assert hub.cli([recipe, f"hub.endpoint={endpoint}"]) == 1
+    assert cli.main(["push", recipe, f"hub.endpoint={endpoint}"]) == 2
     err = capsys.readouterr().err
     assert "fails the export check" in err and "`d2t` is missing" in err and "eagle-train export" in err
     assert server.requests == []
@@ -178,7 +178,7 @@ def test_push_error_never_shows_token(recipe, capsys, fake_hub, monkeypatch):
     endpoint, server = fake_hub
     server.fail_create = True
     monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
-    assert hub.cli([recipe, f"hub.endpoint={endpoint}"]) == 1
+    assert cli.main(["push", recipe, f"hub.endpoint={endpoint}"]) == 2
     captured = capsys.readouterr()
     assert "upload to me/tiny-eagle3 failed" in captured.err and "***" in captured.err
     assert SECRET not in captured.out + captured.err
@@ -188,7 +188,7 @@ def test_push_error_never_shows_token(recipe, capsys, fake_hub, monkeypatch):
 def test_push_needs_repo_id(tmp_path, exported, capsys, no_token):
     path = tmp_path / "r.yaml"
     path.write_text(f"target: {{model: tiny}}\ndata: {{source: x}}\nhub: {{export_dir: {exported}}}\n")
-    assert hub.cli([str(path), "--dry-run"]) == 1
+    assert cli.main(["push", str(path), "--dry-run"]) == 2
     assert "hub.repo_id" in capsys.readouterr().err
 
 
