@@ -233,6 +233,14 @@ class EvalConfig:
     sweep_topk: List[int] = field(default_factory=lambda: [1, 2, 4])
     sweep_depth: List[int] = field(default_factory=lambda: [2, 3, 4, 6])
     sweep_num_draft_tokens: List[int] = field(default_factory=lambda: [4, 8, 16])
+    # dtype the target decodes in (None: target.dtype), for the baseline and the head alike. bfloat16 on a
+    # CPU with native bf16 makes a tree pass of <= 8 nodes cost about one token (bench/RESULTS.md), but a tree
+    # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
+    # their first position; float32 must have none
+    target_dtype: Optional[str] = None
+    # CPU threads for decoding (0: auto = the cores the load average leaves idle, at least 1; the many
+    # small ops of a tree step stall when threads outnumber free cores, see bench/RESULTS.md)
+    threads: int = 0
     seed: int = 0
     output: str = "${output_dir}/eval"
 
@@ -281,6 +289,7 @@ CHOICES = {
     "dump.storage": ("full", "topk"),
     "dump.dtype": ("float32", "bfloat16", "float16", "float8"),
     "dump.target_dtype": ("float32", "bfloat16", "float16"),
+    "eval.target_dtype": ("float32", "bfloat16", "float16"),
     "head.type": ("eagle3", "eagle1"),
     "train.loss_positions": ("assistant", "all"),
     "train.mode": ("offline", "online"),
@@ -418,6 +427,8 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append(f"`regen.temperature` = {cfg.regen.temperature} must be >= 0 (0: greedy)")
     if not 0 < cfg.regen.top_p <= 1:
         problems.append(f"`regen.top_p` = {cfg.regen.top_p} must be in (0, 1]")
+    if cfg.eval.threads < 0:
+        problems.append(f"`eval.threads` = {cfg.eval.threads} must be >= 0 (0: auto)")
     if not 0 < cfg.eval.top_p <= 1:
         problems.append(f"`eval.top_p` = {cfg.eval.top_p} must be in (0, 1]")
     if problems:

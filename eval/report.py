@@ -51,8 +51,10 @@ def report_markdown(rep: dict) -> str:
     lines = [f"# Acceptance report: {rep['head']}", "",
              f"- target: `{rep['target']}`, head type: {rep.get('head_type', 'unknown')}",
              f"- machine: {rep['machine']}", f"- date: {rep['date']}",
+             f"- target dtype: {rep.get('target_dtype', 'float32')}, decoding threads: {rep.get('threads', '-')}",
              f"- load average (1, 5, 15 min) at start {load.get('start')}, at end {load.get('end')}: timings on a "
              "busy machine are slower for every method alike (they interleave per prompt)",
+             *([f"- **warning: {rep['busy']}**"] if rep.get("busy") else []),
              f"- tree: {s['tree']} (topk {s['topk']}, depth {s['depth']}, num_draft_tokens {s['num_draft_tokens']}"
              f" root excluded), max_new_tokens {s['max_new_tokens']}, top_p {s.get('top_p')}, "
              f"top_k {s.get('top_k', 0)}",
@@ -92,10 +94,21 @@ def report_markdown(rep: dict) -> str:
                       f"other {100 * ts['other']:.0f}% (draft: the head drafting and re-reading the accepted path; "
                       "verify: the target's tree pass, acceptance and cache commit)"]
         if "greedy_mismatches" in r:
-            lines += ["", f"greedy outputs differing from the baseline: {r['greedy_mismatches']} (must be 0)"]
+            lines += ["", mismatch_line(r, rep.get("target_dtype", "float32"))]
     lines += ["", "Per-prompt records (tokens, seconds, passes, accepted lengths per method) are in report.json.",
               "", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def mismatch_line(r: dict, dtype: str) -> str:
+    n = r["greedy_mismatches"]
+    if dtype == "float32":
+        return f"greedy outputs differing from the baseline: {n} (must be 0 in float32)"
+    where = r.get("first_divergence") or []
+    return (f"greedy outputs differing from the baseline in {dtype}: {n}"
+            + (f", first differing token at positions {where}" if where else "")
+            + f" (a {dtype} tree pass and a {dtype} one-token pass can round a near-tie differently; each output "
+            "is the target's greedy text up to that position; float32 has none)")
 
 
 def _grouped_bars(ax, results, values) -> None:
@@ -162,7 +175,11 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              f"--speculative-num-steps {b['depth']} --speculative-eagle-topk {b['topk']} "
              f"--speculative-num-draft-tokens {b['num_draft_tokens'] + 1})", "",
              f"- load average (1, 5, 15 min): {sweep.get('load_average')}; settings and the baseline interleave "
-             "per prompt", "",
+             "per prompt",
+             f"- target dtype: {sweep.get('target_dtype', 'float32')}, decoding threads: {sweep.get('threads', '-')}"
+             + ("" if sweep.get("target_dtype", "float32") == "float32" else
+                " (greedy mismatches: near-ties rounded differently by a tree pass; counted, not disqualifying)"),
+             *([f"- **warning: {sweep['busy']}**"] if sweep.get("busy") else []), "",
              "| tree | topk | depth | num_draft_tokens | tau | speedup | tok/s | greedy mismatches |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r.get('tree', '-')} | {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "

@@ -203,10 +203,64 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     assert [(r["tree"], r["topk"], r["depth"], r["num_draft_tokens"]) for r in sw["results"]] == [
         ("chain", 1, 2, 2), ("dynamic", 2, 2, 2), ("dynamic", 2, 2, 3), ("dynamic", 2, 2, 6)]
     assert all(r["greedy_mismatches"] == 0 for r in sw["results"])  # equality checked in the sweep too
-    assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"]) and len(sw["load_average"]) == 3
+    assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"]) and len(sw["load_average"]["start"]) == 3
     assert "Best on this machine" in (out / "sweep.md").read_text()
 
 
 def test_missing_head_names_the_train_command(tmp_path, monkeypatch, smollm2):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
     assert run.cli([RECIPE, f"eval.head={tmp_path / 'nope'}", f"eval.output={tmp_path}"]) == 2
+
+
+def test_first_difference():
+    assert run.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert run.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert run.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_decode_threads_and_busy_warning(monkeypatch):
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(run.torch, "get_num_threads", lambda: 2)
+    assert run.decode_threads(3) == 3  # asked for: taken as is
+    monkeypatch.setattr(run, "load_average", lambda: [0.1, 0.1, 0.1])
+    assert run.decode_threads(0) == 2  # quiet: every core
+    monkeypatch.setattr(run, "load_average", lambda: [1.6, 1.0, 0.5])
+    assert run.decode_threads(0) == 1  # one core taken by other work: never fewer than 1, never oversubscribed
+    monkeypatch.setattr(run, "load_average", lambda: [7.0, 5.0, 3.0])
+    assert run.decode_threads(0) == 1
+    assert run.busy_warning({"start": [0.2, 0.1, 0.1], "end": [1.1, 0.5, 0.2]}, threads=1) is None  # our own load
+    busy = run.busy_warning({"start": [1.8, 1.0, 0.5], "end": [2.9, 1.5, 1.0]}, threads=1)
+    assert busy and "busy" in busy and "1.9" in busy
+    md = report_mod.report_markdown({"head": "h", "target": "t", "machine": "m", "date": "d", "settings": {
+        "tree": "dynamic", "topk": 2, "depth": 2, "num_draft_tokens": 4, "max_new_tokens": 8}, "results": [],
+        "load_average": {"start": [1.8, 1, 1], "end": [2.9, 1, 1]}, "busy": busy, "target_dtype": "bfloat16",
+        "threads": 1})
+    assert "**warning: the machine was busy" in md and "target dtype: bfloat16, decoding threads: 1" in md
+
+
+def test_bf16_eval_counts_mismatches_and_first_divergence(smollm2, head_dir, tmp_path, monkeypatch):
+    """eval.target_dtype=bfloat16 loads the target in bf16 for both the baseline and the head; greedy
+    mismatches (near-ties a tree pass rounds differently) are counted with their first position, not fatal."""
+    import copy
+
+    model, tok = smollm2
+    asked = []
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+
+    def fake_load(tcfg):
+        asked.append(tcfg.dtype)
+        return (bf16 if tcfg.dtype == "bfloat16" else model), tok
+
+    monkeypatch.setattr("eagle_train.target.load_target", fake_load)
+    out = tmp_path / "eval"
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.benchmarks=[mt_bench]", "eval.max_prompts=1",
+            "eval.max_new_tokens=12", "eval.target_dtype=bfloat16", "eval.prompt_lookup_num_tokens=[]",
+            "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=4"]
+    assert run.cli(argv) == 0
+    assert asked == ["bfloat16"]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["target_dtype"] == "bfloat16" and rep["threads"] >= 1
+    r = rep["results"][0]
+    assert isinstance(r["greedy_mismatches"], int) and len(r["first_divergence"]) == r["greedy_mismatches"]
+    assert "target dtype: bfloat16" in (out / "report.md").read_text()
