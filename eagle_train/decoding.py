@@ -353,10 +353,14 @@ def accept_sample(logits: torch.Tensor, tree: Tree, temperature: float, top_p: f
 
 def commit_cache(cache: DynamicCache, past_len: int, keep: torch.Tensor) -> None:
     """Keep positions [0, past_len) plus the tree entries `keep` (accepted path) in every layer."""
+    end = past_len + len(keep)
     for layer in cache.layers:
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            setattr(layer, name, torch.cat([t[:, :, :past_len], t[:, :, past_len + keep]], dim=2))
+            # move the kept entries down in place and keep a view: the next forward's cat copies the cache
+            # anyway, so a cat here would copy every committed entry a second time each step
+            t[:, :, past_len:end] = t[:, :, past_len + keep]
+            setattr(layer, name, t[:, :, :end])
         if isinstance(getattr(layer, "cumulative_length", None), int):
             layer.cumulative_length = past_len + len(keep)
 
