@@ -1,13 +1,15 @@
 """What verifying a tree costs the target on this machine: one pass over n tokens vs a one-token pass.
 
-    python bench/verify_cost.py [--model smollm2-135m-instruct] [--context 200] [--threads 1 2] [--record]
+    python bench/verify_cost.py [--model smollm2-135m-instruct] [--context 200] [--threads 1 2]
+                                [--dtypes float32 bfloat16] [--record]
 
 After a `--context`-token prefill, times (median of 11) a cached pass over n = 1, 2, 4, 8, 12, 16
 tokens, the shape of a verification pass over a tree of n - 1 drafted nodes. The ratio
 pass(n) / pass(1) is the price of a tree of that size: speculative decoding gains only where
 tau / (ratio + draft cost) > 1, so this table is what `eagle-train sweep` trades against tau.
 Also splits out the target's lm_head (a vocab x hidden matmul) at the same n, the part whose
-cost grows most with n on a CPU. `--record` adds the table to bench/RESULTS.md under
+cost grows most with n on a CPU. Each dtype is the whole target in that precision (eval.target_dtype):
+on a CPU with native bf16 a bf16 pass over a small tree costs about what a one-token pass costs. `--record` adds the table to bench/RESULTS.md under
 `## Verification cost`.
 """
 
@@ -44,16 +46,35 @@ def main():
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     from omegaconf import OmegaConf
-    from transformers import DynamicCache
 
-    from eagle_train.decoding import commit_cache
     from eagle_train.recipe import TargetConfig
     from eagle_train.target import load_target
 
-    model, _ = load_target(OmegaConf.structured(TargetConfig(model=args.model, device="cpu")), with_tokenizer=False)
+    rows = []
+    for dtype in args.dtypes:
+        model, _ = load_target(OmegaConf.structured(TargetConfig(model=args.model, device="cpu", dtype=dtype)),
+                               with_tokenizer=False)
+        rows += measure(model, dtype, args)
+    table = [f"`python bench/verify_cost.py` ({time.strftime('%Y-%m-%d')}): {args.model}, "
+             f"{args.context}-token cached prefix, median of 11; torch {torch.__version__}, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}.", "",
+             "| dtype | threads | tokens in pass (n) | pass ms | vs n=1 | lm_head ms |", "|---|---|---|---|---|---|"]
+    table += [f"| {d} | {t} | {n} | {ms:.1f} | {r:.2f}x | {lm:.1f} |" for d, t, n, ms, r, lm in rows]
+    print("\n".join(table))
+    if args.record:
+        record("Verification cost", "\n".join(table))
+    return 0
+
+
+def measure(model, dtype, args):
+    from transformers import DynamicCache
+
+    from eagle_train.decoding import Tree, commit_cache, verify
+
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, args.context), generator=g)
@@ -67,8 +88,10 @@ def main():
             model(input_ids=prefix, cache=cache, use_cache=True)
 
             def one_pass(n):
-                x = torch.randint(0, vocab, (1, n), generator=g)
-                model(input_ids=x, cache=cache, use_cache=True)
+                # the decoder's own verification pass over a chain of n tokens (tree mask, tree positions,
+                # hidden states, fp32 logits)
+                tree = Tree(torch.randint(0, vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), list(range(n)))
+                verify(model, cache, tree, args.context, None)
                 commit_cache(cache, args.context, keep_none)  # back to the prefix: same cache length each pass
 
             for n in SIZES:
@@ -76,21 +99,13 @@ def main():
             passes = {n: median_ms(lambda: one_pass(n)) for n in SIZES}
             heads = {}
             for n in SIZES:
-                h = torch.randn(n, head_w.shape[1])
+                h = torch.randn(n, head_w.shape[1], dtype=head_w.dtype)
                 heads[n] = median_ms(lambda: torch.nn.functional.linear(h, head_w))
             for n in SIZES:
-                rows.append((threads, n, passes[n], passes[n] / passes[1], heads[n]))
-                print(f"threads {threads}  n={n:2d}: pass {passes[n]:6.1f} ms  ({passes[n] / passes[1]:.2f}x)  "
+                rows.append((dtype, threads, n, passes[n], passes[n] / passes[1], heads[n]))
+                print(f"{dtype} threads {threads}  n={n:2d}: pass {passes[n]:6.1f} ms  ({passes[n] / passes[1]:.2f}x)  "
                       f"lm_head {heads[n]:5.1f} ms", flush=True)
-    table = [f"`python bench/verify_cost.py` ({time.strftime('%Y-%m-%d')}): {args.model}, fp32, "
-             f"{args.context}-token cached prefix, median of 11; torch {torch.__version__}, {platform.machine()}, "
-             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}.", "",
-             "| threads | tokens in pass (n) | pass ms | vs n=1 | lm_head ms |", "|---|---|---|---|---|"]
-    table += [f"| {t} | {n} | {ms:.1f} | {r:.2f}x | {lm:.1f} |" for t, n, ms, r, lm in rows]
-    print("\n".join(table))
-    if args.record:
-        record("Verification cost", "\n".join(table))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
