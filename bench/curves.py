@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from record import record  # noqa: E402  (bench/record.py)
 
 from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate  # noqa: E402
-from eagle_train.files import atomic_write_text  # noqa: E402
+from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
 from eval.run import load_prompts, render  # noqa: E402
 
@@ -122,9 +122,8 @@ def main():
         x.legend()
     fig.suptitle(f"SmolLM2-135M EAGLE-3 head: learning curves (tau: greedy, dynamic tree {setting})")
     fig.tight_layout()
-    tmp = a.out.with_name(a.out.name + f".tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, a.out)
+    with atomic_path(a.out) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
 
     lines = [f"`python bench/curves.py {' '.join(map(str, a.runs))} --labels {' '.join(labels)}` "
              f"({time.strftime('%Y-%m-%d')}): tau greedy on the first turns of {a.prompts} prompts of each of "

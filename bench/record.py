@@ -3,8 +3,9 @@ section is added at the end when missing); earlier results stay as they were; at
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from eagle_train.files import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -14,6 +15,4 @@ def record(section: str, text: str, results: Path = RESULTS) -> None:
     head = f"## {section}\n\n"
     entry = text.strip("\n") + "\n\n"
     doc = doc.replace(head, head + entry, 1) if head in doc else doc.rstrip("\n") + "\n\n" + head + entry
-    tmp = results.with_name(results.name + f".tmp{os.getpid()}")
-    tmp.write_text(doc.rstrip("\n") + "\n")
-    os.replace(tmp, results)
+    atomic_write_text(results, doc.rstrip("\n") + "\n")

@@ -54,10 +54,11 @@ def features(L, B):
 
 
 def one(L, steps, B, iters, precision="fp32"):
-    from eagle_train import train
-    from eagle_train.draft_vocab import build_draft_vocab
+    from eagle_train.batches import add_targets
+    from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
     from eagle_train.recipe import HeadConfig, TrainConfig
+    from eagle_train.ttt import DraftLoss
     from omegaconf import OmegaConf
 
     torch.set_num_threads(2)
@@ -68,12 +69,13 @@ def one(L, steps, B, iters, precision="fp32"):
     head.set_draft_vocab(*build_draft_vocab(counts, 8192))
     tc = OmegaConf.structured(TrainConfig(ttt_steps=steps))
     scale = f["aux"].pow(2).mean((0, 1)).sqrt()
-    loss_fn = train.DraftLoss(head, tc, scale)
-    draft = train.draft_ids_of(head.d2t)
+    loss_fn = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
+                        token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale)
+    draft = draft_ids_of(head.d2t)
     t2d_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft] = torch.arange(draft.numel())
     b = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids), **f}
-    b = train.add_targets(b, "eagle3", None, draft, t2d_index)
+    b = add_targets(b, "eagle3", None, draft, t2d_index)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     del model
 

@@ -49,6 +49,7 @@ from eagle_train.dump_reader import sha256_file
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import DumpError
 from eagle_train.features import quantize_fp8, target_features
+from eagle_train.files import atomic_path, atomic_save, refuse_orphan_pieces
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eagle_train.target import DTYPES, load_target, model_digest, resolve_device, target_id
 
@@ -154,10 +155,8 @@ IDENTITY = [("format", None), ("target_id", "target.model"), ("target_digest", "
 def check_folder(out: Path, header: dict) -> None:
     """Refuse to add to a folder that holds a dump made with other settings."""
     path = out / "manifest.json"
+    refuse_orphan_pieces(out, path, "shard-*.safetensors", "dump.output")
     if not path.is_file():
-        if any(out.glob("shard-*.safetensors")):
-            raise RecipeError(f"{out} (dump.output) holds shards but no manifest.json; it is not a dump this "
-                              f"recipe can resume. Use another dump.output or delete the folder.")
         return
     try:
         old = json.loads(path.read_text())
@@ -243,9 +242,7 @@ def plan_batches(rows, lengths, batch_tokens: int) -> List[List[int]]:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    atomic_save(path, obj, indent=1)
 
 
 def read_records(out: Path) -> Dict[str, dict]:
@@ -346,12 +343,12 @@ class ShardWriter:
         tensors["offsets"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         if "topk_ids" in tensors:
             tensors["topk_ids"] = tensors["topk_ids"].to(self.ids_dtype)
-        path, tmp = self.out / name, self.out / f"{name}.tmp{os.getpid()}"
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
+        path = self.out / name
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": FORMAT})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            digest = sha256_file(tmp)
         rec = {"file": name, "num_samples": len(samples), "num_tokens": int(sum(lengths)),
                "bytes": path.stat().st_size, "sha256": digest,
                "ids": [s[1] for s in samples], "rows": [s[0] for s in samples], "lengths": lengths,

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from tqdm import tqdm
 
 from data_prep.readers import Skips, read_conversations, with_system_prompt
 from data_prep.templates import TemplateError, special_ids, tokenize_conversation
+from eagle_train.files import atomic_dir
 
 def _features():
     import datasets  # imported late: slow, and `eagle-train --help` should not pay for it
@@ -72,21 +71,10 @@ def split_indices(ids, eval_fraction: float):
 
 
 def _write_atomic(out: Path, train, evl, stats: dict) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:
         train.save_to_disk(str(tmp / "train"))
         evl.save_to_disk(str(tmp / "eval"))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(cfg) -> dict:

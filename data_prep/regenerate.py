@@ -42,7 +42,7 @@ from data_prep.readers import Skips, read_conversations, with_system_prompt
 from data_prep.templates import render, special_ids
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
-from eagle_train.files import atomic_write_text
+from eagle_train.files import atomic_write_text, refuse_orphan_pieces
 from eagle_train.recipe import RecipeError, load_recipe, split_args
 from eagle_train.target import load_target, resolve_device, target_id
 
@@ -172,10 +172,8 @@ def shard_record(out: Path, i: int):
 
 def check_folder(out: Path, settings: dict) -> None:
     path = out / "regen.json"
+    refuse_orphan_pieces(out, path, "progress/shard-*.json", "regen.output")
     if not path.is_file():
-        if any(out.glob("progress/shard-*.json")):
-            raise RecipeError(f"{out} (regen.output) holds shards but no regen.json; use another regen.output "
-                              f"or delete the folder")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**settings, "complete": False}, indent=2) + "\n")
         return

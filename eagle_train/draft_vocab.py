@@ -15,6 +15,8 @@ from typing import Iterable, Tuple
 
 import torch
 
+from eagle_train.files import atomic_save
+
 
 def count_tokens(samples: Iterable[Tuple[object, object]], vocab_size: int) -> torch.Tensor:
     """Counts (vocab_size,) of loss-masked tokens over `(input_ids, loss_mask)` pairs."""
@@ -54,15 +56,8 @@ def draft_ids_of(d2t: torch.Tensor) -> torch.Tensor:
 
 def save_draft_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
     """Atomic safetensors file so resumed and multi-process runs reuse the same vocabulary."""
-    import os
-
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "counts": counts.contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(path, {"d2t": d2t, "t2d": t2d, "counts": counts})
 
 
 def load_draft_vocab(path: Path) -> Tuple[torch.Tensor, torch.Tensor]:

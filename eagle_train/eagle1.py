@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from eagle_train.eagle3 import MLP, Attention, KVCache, RMSNorm, Rotary
+from eagle_train.layers import MLP, Attention, KVCache, RMSNorm, Rotary, frozen, target_shapes
 
 
 @dataclass
@@ -37,15 +37,8 @@ class Eagle1Config:
 
     @classmethod
     def from_target(cls, tconf, fc_bias: bool = False, intermediate_size: Optional[int] = None):
-        from eagle_train.eagle3 import Eagle3Config
-
-        c = Eagle3Config.from_target(tconf, tconf.vocab_size, intermediate_size=intermediate_size)
-        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                   head_dim=c.head_dim, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
-                   rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                   max_position_embeddings=c.max_position_embeddings,
-                   num_target_layers=c.num_target_layers, fc_bias=fc_bias, hidden_act=c.hidden_act)
+        """Shapes from the target's HF config."""
+        return cls(**target_shapes(tconf, intermediate_size), fc_bias=fc_bias)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,16 +58,16 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle1Head(nn.Module):
+    head_type = "eagle1"  # recipes: head.type; manifests and saved heads: head_type
+
     def __init__(self, cfg: Eagle1Config):
         super().__init__()
-        self.config = cfg
-        H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)  # frozen copy of the target's
-        self.embed_tokens.weight.requires_grad_(False)
-        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)  # frozen copy of the target's
-        self.lm_head.weight.requires_grad_(False)
+        self.config, H = cfg, cfg.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        # the target's own embeddings and lm_head, copied in at load time and never trained
+        self.embed_tokens = frozen(nn.Embedding(cfg.vocab_size, H))
+        self.lm_head = frozen(nn.Linear(H, cfg.vocab_size, bias=False))
         self.rotary = Rotary(cfg)
 
     def load_target_embeddings(self, target) -> None:

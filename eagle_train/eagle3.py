@@ -15,13 +15,13 @@ from __future__ import annotations
 import warnings
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-KVCache = Tuple[torch.Tensor, torch.Tensor]  # (k, v), each (B, n_kv_heads, P, head_dim)
+from eagle_train.layers import MLP, Attention, KVCache, RMSNorm, Rotary, frozen, target_shapes
+from eagle_train.recipe import RecipeError
 
 
 @dataclass
@@ -50,28 +50,8 @@ class Eagle3Config:
     def from_target(cls, tconf, draft_vocab_size: int, aux_layers: Optional[List[int]] = None,
                     intermediate_size: Optional[int] = None) -> "Eagle3Config":
         """Shapes from the target's HF config; aux layers default to [2, N//2, N-3]."""
-        n = tconf.num_hidden_layers
-        rope = getattr(tconf, "rope_parameters", None) or getattr(tconf, "rope_scaling", None) or {}
-        theta = rope.get("rope_theta", getattr(tconf, "rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
-        if scaling and scaling.get("rope_type", "default") == "default":
-            scaling = None
-        return cls(
-            hidden_size=tconf.hidden_size,
-            intermediate_size=intermediate_size or tconf.intermediate_size,
-            num_attention_heads=tconf.num_attention_heads,
-            num_key_value_heads=getattr(tconf, "num_key_value_heads", tconf.num_attention_heads),
-            head_dim=getattr(tconf, "head_dim", None) or tconf.hidden_size // tconf.num_attention_heads,
-            vocab_size=tconf.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, tconf.vocab_size),
-            aux_layers=check_aux_layers(aux_layers, n),
-            rms_norm_eps=tconf.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=tconf.max_position_embeddings,
-            num_target_layers=n,
-            hidden_act=getattr(tconf, "hidden_act", "silu"),
-        )
+        return cls(**target_shapes(tconf, intermediate_size), draft_vocab_size=min(draft_vocab_size, tconf.vocab_size),
+                   aux_layers=check_aux_layers(aux_layers, tconf.num_hidden_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,8 +68,6 @@ def check_aux_layers(aux_layers, num_layers: int, where: str = "head.aux_layers"
     gives the default; each index must lie in 1..N-1 (HF hidden_states: 0 is the embedding output,
     which no engine captures, N the post-norm output, and -1 would silently read that); duplicates
     are legal but almost surely a mistake, so they warn."""
-    from eagle_train.recipe import RecipeError
-
     aux = default_aux_layers(num_layers) if aux_layers is None else [int(i) for i in aux_layers]
     if len(aux) != 3:
         raise RecipeError(f"`{where}` = {aux} must list 3 layers (low, mid, high)")
@@ -100,88 +78,6 @@ def check_aux_layers(aux_layers, num_layers: int, where: str = "head.aux_layers"
     if len(set(aux)) < 3 and aux_layers is not None:
         warnings.warn(f"`{where}` = {aux} repeats a layer: the head sees the same features twice", stacklevel=2)
     return aux
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class Rotary(nn.Module):
-    """Llama RoPE (llama3 scaling included) via transformers' init functions."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-        lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                         rope_parameters=rope)
-        self.inner = LlamaRotaryEmbedding(lc)
-
-    def forward(self, x, position_ids):
-        return self.inner(x, position_ids)  # cos, sin: (B, n, head_dim)
-
-
-def apply_rope(x, cos, sin):
-    # x: (B, heads, n, d); cos/sin: (B, n, d)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg, in_features: int):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def qkv(self, x, cos, sin):
-        """Projected, rotated q (B, heads, n, d) and k, v (B, kv_heads, n, d)."""
-        B, n, _ = x.shape
-        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, kv_cache: Optional[KVCache] = None, attn_mask=None):
-        """attn_mask: None (causal over the new tokens, all of the cache visible) or an additive
-        float / boolean mask (B or 1, 1, n, P + n). Returns (out, (k, v) with the new tokens)."""
-        q, k, v = self.qkv(x, cos, sin)
-        if kv_cache is not None:
-            k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)
-        n, total = q.shape[2], k.shape[2]
-        if attn_mask is None and n > 1:
-            attn_mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(total - n)
-        rep = self.n_heads // self.n_kv
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                           attn_mask=attn_mask)
-        o = o.transpose(1, 2).reshape(x.shape[0], n, -1)
-        return self.o_proj(o), (k, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):
@@ -207,12 +103,13 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    head_type = "eagle3"  # recipes: head.type; manifests and saved heads: head_type
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)  # frozen copy of the target's
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = frozen(nn.Embedding(cfg.vocab_size, H))
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)

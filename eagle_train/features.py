@@ -34,6 +34,12 @@ def decoder_of(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
+def aux_features(hidden_states, aux_layers: List[int]) -> torch.Tensor:
+    """EAGLE-3's input feature: the `aux_layers` entries of the target's `hidden_states`, side by side
+    (..., 3H) in that order."""
+    return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)
+
+
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                     aux_layers: Optional[List[int]], storage: str = "full", topk: int = 64,
@@ -49,7 +55,7 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[tor
     hs = out.hidden_states
     feats = {}
     if aux_layers is not None:
-        feats["aux"] = torch.cat([hs[i] for i in aux_layers], dim=-1)
+        feats["aux"] = aux_features(hs, aux_layers)
     last = out.last_hidden_state  # == hs[-1], post-norm
     if storage == "full":
         feats["last"] = last

@@ -1,22 +1,23 @@
 """Build, save and load draft heads (both families) as a folder: config.json + model.safetensors.
 
 The training output keeps the module's own parameter names plus `eagle_train` metadata in
-config.json; `export` turns it into the engines' layout, and `load_head` reads both.
+config.json; `export` turns it into the engines' layout (eagle_train/layout.py), and `load_head`
+reads both.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle_train.eagle1 import Eagle1Config, Eagle1Head
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 from eagle_train.errors import HeadError
+from eagle_train.files import atomic_dir
+from eagle_train.layout import load_exported, load_weights, read_config, read_weights
 
 FROZEN = ("embed_tokens.weight",)  # copied from the target at load time, not stored
 
@@ -32,76 +33,34 @@ def build_head(head_cfg, target_config):
 
 
 def head_type(head) -> str:
-    return "eagle3" if isinstance(head, Eagle3Head) else "eagle1"
+    """"eagle3" or "eagle1" (the head class's `head_type`)."""
+    return head.head_type
 
 
 def save_head(head, out_dir, extra: dict | None = None) -> Path:
     """Atomically write `out_dir` (config.json + model.safetensors, frozen target weights left out)."""
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    skip = FROZEN + (("lm_head.weight",) if head_type(head) == "eagle1" else ())
+    skip = FROZEN + (("lm_head.weight",) if head.head_type == "eagle1" else ())
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()
              if k not in skip and not k.startswith("rotary.")}
-    save_file(state, tmp / "model.safetensors")
-    meta = {"eagle_train": {"head_type": head_type(head), "config": head.config.to_dict(), **(extra or {})}}
-    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
-def read_config(path) -> dict:
-    """A head's config.json as a dict, or one HeadError naming the file."""
-    try:
-        meta = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HeadError(f"{path}: not valid JSON ({err}); export or train the head again") from None
-    if not isinstance(meta, dict):
-        raise HeadError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-    return meta
-
-
-def read_weights(path, map_location="cpu") -> dict:
-    """model.safetensors of a head; a truncated or damaged file is one HeadError naming it."""
-    if not Path(path).is_file():
-        raise HeadError(f"{path} is missing; export or train the head again")
-    try:
-        return load_file(path, device=str(map_location))
-    except Exception as err:  # safetensors raises its own error type for a cut-off header or data
-        raise HeadError(f"{path}: not a readable safetensors file ({str(err)[:160]}); export or train "
-                        "the head again") from None
-
-
-def load_weights(head, state: dict, path):
-    """load_state_dict(strict=False) naming every tensor whose shape disagrees with the config."""
-    own = head.state_dict()
-    wrong = [f"`{k}` {list(v.shape)} (config.json implies {list(own[k].shape)})"
-             for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-    if wrong:
-        raise HeadError(f"{path}: tensor shapes do not match config.json: {', '.join(wrong[:4])}"
-                        f"{' ...' if len(wrong) > 4 else ''}")
-    return head.load_state_dict(state, strict=False)
+    meta = {"eagle_train": {"head_type": head.head_type, "config": head.config.to_dict(), **(extra or {})}}
+    with atomic_dir(out_dir) as tmp:
+        save_file(state, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    return Path(out_dir)
 
 
 def load_head(path, target=None, map_location="cpu"):
-    """Load a head folder written by `save_head` (or an export, see eagle_train.export);
+    """Load a head folder written by `save_head` (or an export, see eagle_train.layout);
     frozen embeddings (and the EAGLE-1 lm_head) come from `target` when given."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         if not path.exists() and str(path).count("/") == 1:  # a hub id (owner/name): exported layout
-            from eagle_train import export
-
-            return export.load_exported(str(path), target=target, map_location=map_location)
+            return load_exported(str(path), target=target, map_location=map_location)
         raise FileNotFoundError(f"{cfg_file} not found: not a head folder (train writes <train.output>/final)")
     meta = read_config(cfg_file)
-    if "eagle_train" not in meta:
-        from eagle_train import export  # engine layout
-
-        return export.load_exported(path, target=target, map_location=map_location)
+    if "eagle_train" not in meta:  # engine layout
+        return load_exported(path, target=target, map_location=map_location)
     info = meta["eagle_train"]
     try:
         if info["head_type"] == "eagle3":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from eagle_train.decoding import SpecConfig, max_tree_nodes
+
 # aliases the toolkit ships -> the hub model an engine should serve
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -20,8 +22,6 @@ def serving_target(model: str) -> str:
 
 def _evaluated(tree: str, topk: int, depth: int, nd: int, static_tree=None) -> dict:
     """The setting as decoded: num_draft_tokens capped by the one node-cap rule of the decoder."""
-    from eagle_train.decoding import SpecConfig, max_tree_nodes
-
     cfg = SpecConfig(tree=tree, topk=int(topk), depth=int(depth), num_draft_tokens=int(nd), static_tree=static_tree)
     return {"tree": tree, "topk": 1 if tree == "chain" else int(topk), "depth": int(depth),
             "num_draft_tokens": max_tree_nodes(cfg)}
@@ -61,13 +61,13 @@ def chain_setting(setting: dict, report: dict | None, sweep: dict | None) -> tup
                               "it (the tree τ below does not apply to a chain)")
 
 
-def serving_commands(kind: str, target: str, repo: str, setting: dict, target_revision=None,
+def serving_commands(head_type: str, target: str, repo: str, setting: dict, target_revision=None,
                      head_revision=None, chain_depth: int | None = None) -> tuple[str, str | None]:
     """(vLLM command, SGLang command or None). vLLM drafts a chain of `chain_depth` tokens; SGLang
     serves the evaluated tree exactly, counting the verified root in --speculative-num-draft-tokens
     (our num_draft_tokens does not: +1). SGLang has no static trees: None for those."""
     topk, depth, ndt = setting["topk"], setting["depth"], setting["num_draft_tokens"]
-    spec = {"method": "eagle3" if kind == "eagle3" else "eagle", "model": repo,
+    spec = {"method": "eagle3" if head_type == "eagle3" else "eagle", "model": repo,
             "num_speculative_tokens": chain_depth or depth}
     if head_revision:
         spec["revision"] = head_revision
@@ -80,7 +80,7 @@ def serving_commands(kind: str, target: str, repo: str, setting: dict, target_re
     sglang = f"python -m sglang.launch_server --model {target}"
     if target_revision:
         sglang += f" --revision {target_revision}"
-    sglang += (f" \\\n  --speculative-algorithm {'EAGLE3' if kind == 'eagle3' else 'EAGLE'}"
+    sglang += (f" \\\n  --speculative-algorithm {'EAGLE3' if head_type == 'eagle3' else 'EAGLE'}"
                f" \\\n  --speculative-draft-model-path {repo}")
     if head_revision:
         sglang += f" --speculative-draft-model-revision {head_revision}"
@@ -127,23 +127,40 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
     return lines
 
 
+def training_lines(head_type: str, train_state: dict) -> list:
+    """The data and settings the head was trained with, as its training run recorded them."""
+    data, run = train_state.get("data") or {}, train_state.get("train") or {}
+    lines = []
+    if data.get("source"):
+        lines.append(f"- data: `{data['source']}`"
+                     + (f" (at most {data['max_conversations']} conversations" if data.get("max_conversations") else " (")
+                     + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
+                       "tokens in the loss)")
+    if run:
+        lines.append(f"- head: {head_type}, {run.get('mode')} training"
+                     + (f" ({run['storage']} features)" if run.get("storage") else "")
+                     + f", lr {run.get('learning_rate')}, {run.get('max_steps')} planned steps"
+                     + (f", TTT unroll {run.get('ttt_steps')}" if head_type == "eagle3" else ""))
+    if not data and not run:
+        lines.append("- training settings: not recorded with the head (train writes them into <train.output>/final)")
+    return lines
+
+
 def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None = None,
            data_stats: dict | None = None, report: dict | None = None, sweep: dict | None = None) -> str:
-    from eagle_train.heads import head_type
-
-    kind = head_type(head)
+    head_type = head.head_type
     c = head.config
     target = serving_target(cfg.target.model)
     repo = cfg.hub.repo_id or "<your-name>/<this-repo>"
     setting, setting_src = best_setting(cfg, report, sweep)
     chain_depth, chain_label = chain_setting(setting, report, sweep)
-    vllm, sglang = serving_commands(kind, target, repo, setting, cfg.target.revision, cfg.hub.revision, chain_depth)
+    vllm, sglang = serving_commands(head_type, target, repo, setting, cfg.target.revision, cfg.hub.revision, chain_depth)
     n_params = sum(p.numel() for n, p in head.named_parameters()
-                   if not n.startswith("embed_tokens") and not (kind == "eagle1" and n.startswith("lm_head")))
-    name = "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
+                   if not n.startswith("embed_tokens") and not (head_type == "eagle1" and n.startswith("lm_head")))
+    name = "EAGLE-3" if head_type == "eagle3" else "EAGLE-1/2"
 
     front = ["---", "library_name: eagle-train", "tags:", "- speculative-decoding",
-             f"- {'eagle3' if kind == 'eagle3' else 'eagle'}", "- draft-model"]
+             f"- {'eagle3' if head_type == 'eagle3' else 'eagle'}", "- draft-model"]
     if "/" in target and not target.startswith((".", "/", "~")):
         front += [f"base_model: {target}"]
     front += ["---", ""]
@@ -173,7 +190,7 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
               f"| trainable parameters | {n_params / 1e6:.1f} M |",
               f"| weights dtype | {config['torch_dtype']} |",
               f"| hidden size / layers | {c.hidden_size} / 1 draft decoder layer |"]
-    if kind == "eagle3":
+    if head_type == "eagle3":
         hf = list(c.aux_layers)
         lines += [f"| draft vocabulary | {c.draft_vocab_size} of {c.vocab_size} target tokens "
                   "(`d2t`: target id = draft id + d2t[draft id]; `t2d`: membership mask) |",
@@ -186,15 +203,11 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
     lines += ["", "Both aux-layer keys are in `config.json`, each in the convention of the engine that reads it. "
               "`eagle-train check <folder> --target <model>` validates the layout against the target.", ""]
 
-    lines += ["## Training", "", f"- data: `{cfg.data.source}`"
-              + (f" (at most {cfg.data.max_conversations} conversations" if cfg.data.max_conversations else " (")
-              + f", max {cfg.data.max_length} tokens each, assistant tokens only in the loss)"]
+    # what training recorded beside the head (train.py: train_state), not the recipe at export time
+    lines += ["## Training", ""] + training_lines(head_type, train_state or {})
     if data_stats:
         lines.append("- corpus stats: " + ", ".join(f"{k} {v}" for k, v in data_stats.items()
                                                       if isinstance(v, (int, float, str)))[:400])
-    lines.append(f"- head: {cfg.head.type}, {cfg.train.mode} training ({cfg.dump.storage} features), "
-                 f"lr {cfg.train.learning_rate}, {cfg.train.max_steps} planned steps"
-                 + (f", TTT unroll {cfg.train.ttt_steps}" if kind == "eagle3" else ""))
     if train_state:
         steps = train_state.get("step", train_state.get("steps", train_state.get("global_step")))
         if steps is not None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from eagle_train.errors import TargetError
+from eagle_train.features import decoder_of
+from eagle_train.files import atomic_dir
 
 ALIASES = {
     # alias -> (package holding the GGUF, file name)
@@ -56,18 +57,15 @@ def _gguf_cache(gguf: Path, cache_dir: str, name: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[eagle-train] converting {gguf.name} to a safetensors cache at {out} (once)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         # the weights are already dequantized; without this save_pretrained refuses GGUF configs
         model.hf_quantizer.remove_quantization_config(model)
     model.config.name_or_path = name
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    with atomic_dir(out, keep_existing=True) as tmp:  # another process converting it too: the first one stays
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return out
 
 
@@ -130,8 +128,6 @@ def tokenizer_digest(tok) -> str:
 
 def model_digest(model, dtype: str) -> str:
     """weights_digest of a loaded target."""
-    from eagle_train.features import decoder_of
-
     return weights_digest(model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                           decoder_of(model).norm.weight, dtype)
 
@@ -152,6 +148,36 @@ def load_target(tcfg, with_tokenizer: bool = True):
     tok = load_tokenizer(tcfg) if with_tokenizer else None
     model.eagle_load_seconds = time.perf_counter() - t0
     return model, tok
+
+
+def target_weights(tcfg, target=None):
+    """(hf_config, embed (V, H), lm_head (V, H), final norm (H,)) of the target, read from its
+    safetensors when possible so offline training never loads the whole target."""
+    from transformers import AutoConfig
+
+    if target is not None:
+        return (target.config, target.get_input_embeddings().weight.detach(),
+                target.get_output_embeddings().weight.detach(), decoder_of(target).norm.weight.detach())
+    path = Path(resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        model, _ = load_target(tcfg, with_tokenizer=False)
+        return target_weights(tcfg, model)
+    from safetensors import safe_open
+
+    found = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                name = {"lm_head.weight": "lm_head", "model.norm.weight": "norm"}.get(k)
+                name = name or ("embed" if k.endswith("embed_tokens.weight") else None)
+                if name:
+                    found[name] = h.get_tensor(k).float()
+    if "norm" not in found:  # another naming scheme: load the target once
+        model, _ = load_target(tcfg, with_tokenizer=False)
+        return target_weights(tcfg, model)
+    conf = AutoConfig.from_pretrained(str(path), trust_remote_code=tcfg.trust_remote_code)
+    return conf, found["embed"], found.get("lm_head", found["embed"]), found["norm"]  # tied embeddings
 
 
 def target_id(tcfg) -> str:

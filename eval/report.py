@@ -1,10 +1,9 @@
 """Eval and sweep reports: report.json / report.md and PNG plots (matplotlib Agg, labelled axes);
-sweep.json / sweep.md. Every write is atomic (temp name + os.replace)."""
+sweep.json / sweep.md. Every write is atomic (eagle_train/files.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import matplotlib
@@ -13,20 +12,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
+
 PLOTS = ("accept_hist.png", "tau_by_category.png", "accept_by_depth.png")
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _atomic_fig(fig, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _label(r: dict) -> str:
@@ -156,8 +150,8 @@ def write_report(rep: dict, out_dir) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_report(rep, out)
-    _atomic_text(out / "report.md", report_markdown(rep))
-    _atomic_text(out / "report.json", json.dumps(rep, indent=2))  # last: its presence means done
+    atomic_write_text(out / "report.md", report_markdown(rep))
+    atomic_write_text(out / "report.json", json.dumps(rep, indent=2))  # last: its presence means done
     return out
 
 
@@ -185,6 +179,6 @@ def write_sweep(sweep: dict, out_dir) -> Path:
     lines += [f"| {r.get('tree', '-')} | {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
               f"{r['speedup']:.3f} | {r['tokens_per_s']:.1f} | {r.get('greedy_mismatches', '-')} |"
               for r in sweep["results"]]
-    _atomic_text(out / "sweep.md", "\n".join(lines) + "\n")
-    _atomic_text(out / "sweep.json", json.dumps(sweep, indent=2))
+    atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=2))
     return out

@@ -135,9 +135,9 @@ def test_eos_and_budget_stop_like_generate():
 
 @pytest.mark.slow  # trains a head (4 steps) and decodes 10 prompts x 3 modes: ~1 min on an idle 2-core CPU
 def test_greedy_equals_generate_trained_head(smollm2, prompts_and_refs, tmp_path):
-    """A head trained for a few steps (eagle_train.train.quick_train, draft vocabulary + d2t) on the
+    """A head trained for a few steps (tests/helpers.py quick_train, draft vocabulary + d2t) on the
     target's own answers: every mode still reproduces `generate` token for token."""
-    from eagle_train.train import quick_train
+    from helpers import quick_train
 
     model, tok = smollm2
     samples = []

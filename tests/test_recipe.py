@@ -103,3 +103,33 @@ def test_split_args_and_missing_file(tmp_path):
         split_args(["a.yaml", "b.yaml"])
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("given,meant", [("true", True), ("false", False), ("auto", None), ("True", True),
+                                         ("null", None)])
+def test_resume_is_typed_on_the_command_line_and_in_yaml(tmp_path, given, meant):
+    """train.resume: None (auto) / True / False, whether `auto`, `true` or `false` comes from the
+    command line (where OmegaConf reads true as a boolean) or from a recipe file."""
+    path = write(tmp_path, MINIMAL)
+    assert load_recipe(path, [f"train.resume={given}"]).train.resume is meant
+    in_file = write(tmp_path, MINIMAL + f"train:\n  resume: {given}\n", "f.yaml")
+    assert load_recipe(in_file).train.resume is meant
+    assert load_recipe(path).train.resume is None  # the default: auto
+
+
+def test_field_rules_sit_beside_their_fields_and_name_the_key(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(RecipeError, match=r"`train\.resume`"):
+        load_recipe(path, ["train.resume=sometimes"])
+    # `no` reads as the boolean false; it means mixed_precision "no"
+    assert load_recipe(path, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, ["train.mixed_precision=fp8", "train.ttt_decay=0", "eval.temperatures=[0,-1]",
+                           "train.learning_rate=inf", "regen.top_p=1.5", "train.zero_stage=1"])
+    msg = str(err.value)
+    assert "6 problem(s)" in msg, msg
+    for needle in ("`train.mixed_precision` = 'fp8' is not one of auto, no, bf16, fp16",
+                   "`train.ttt_decay` = 0.0 must be in (0, 1]", "`eval.temperatures` = [0.0, -1.0] must be >= 0",
+                   "`train.learning_rate` = inf must be a finite number > 0", "`regen.top_p` = 1.5 must be in (0, 1]",
+                   "`train.zero_stage` = 1 is not one of 2, 3"):
+        assert needle in msg, (needle, msg)

@@ -10,10 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_train import train
+from eagle_train.batches import pad_collate
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
+from eagle_train.engine import shared_draft_vocab
+from eagle_train.errors import TrainingDiverged
 from eagle_train.heads import load_head
 from eagle_train.recipe import load_recipe
+from eagle_train.ttt import DraftLoss, shift, ttt_unroll
 from conftest import SHAREGPT, make_tiny_llama
+from helpers import write_corpus
 
 
 def synthetic(vocab=128, n=64, length=48, seed=0):
@@ -42,7 +47,7 @@ def test_ttt_unroll_equals_engine_kv_cache_with_tree_mask():
     head = Eagle3Head(cfg).eval()
     B, L, steps = 2, 9, 3
     ids, aux = torch.randint(0, 50, (B, L)), torch.randn(B, L, 96)
-    got = [o for o in train.ttt_unroll(head, ids, aux, steps)]
+    got = [o for o in ttt_unroll(head, ids, aux, steps)]
     n = L - 1
     pos = torch.arange(n).expand(B, n)
     out, logits, kv = head(ids[:, 1:], aux[:, :-1], pos)
@@ -50,16 +55,16 @@ def test_ttt_unroll_equals_engine_kv_cache_with_tree_mask():
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     for s in range(1, steps):
         mask = torch.cat([causal] + [torch.eye(n, dtype=torch.bool)] * s, dim=1)[None, None]
-        out, logits, kv = head(train.shift(ids, 1 + s)[:, :n], out, pos + s, kv_cache=kv, attn_mask=mask)
+        out, logits, kv = head(shift(ids, 1 + s)[:, :n], out, pos + s, kv_cache=kv, attn_mask=mask)
         torch.testing.assert_close(got[s][1], logits, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got[s][0], out, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_tiny_target_30_steps_learn(tmp_path, kind):
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+def test_tiny_target_30_steps_learn(tmp_path, head_type):
     target = make_tiny_llama(vocab_size=128)
-    train.write_corpus(synthetic(), tmp_path / "data")
-    cfg = load_recipe(None, tiny_args(tmp_path, extra=[f"head.type={kind}"]))
+    write_corpus(synthetic(), tmp_path / "data")
+    cfg = load_recipe(None, tiny_args(tmp_path, extra=[f"head.type={head_type}"]))
     res = train.main(cfg, target=target)
     m = res["metrics"]
     assert m["eval/loss"] < m["eval0/loss"] - 0.05, m
@@ -67,14 +72,14 @@ def test_tiny_target_30_steps_learn(tmp_path, kind):
     head = load_head(res["final"], target=target)
     state = json.loads((res["final"] / "train_state.json").read_text())
     assert state["step"] == 30 and "eval/acc_0" in state["metrics"]
-    if kind == "eagle3":
+    if head_type == "eagle3":
         assert set(m) >= {"eval/acc_0", "eval/acc_1", "eval/acc_2"}
         # the saved head (feature scale folded into fc) reproduces the training-time accuracy
         from eagle_train.features import target_features
 
-        b = train.pad_collate([{"input_ids": ids, "loss_mask": lm} for ids, lm in synthetic()[:8]])
+        b = pad_collate([{"input_ids": ids, "loss_mask": lm} for ids, lm in synthetic()[:8]])
         f = target_features(target, b["input_ids"], b["attention_mask"], head.config.aux_layers, "full")
-        _, logits = next(train.ttt_unroll(head, b["input_ids"], f["aux"], 1))
+        _, logits = next(ttt_unroll(head, b["input_ids"], f["aux"], 1))
         top1 = (f["last"] @ target.lm_head.weight.T).argmax(-1)
         hit = head.draft_to_target(logits.argmax(-1))[:, :-1] == top1[:, 1:-1]
         # trained on: assistant tokens whose target top-1 is in the draft vocabulary
@@ -89,7 +94,7 @@ def test_tiny_target_offline_from_dump(tmp_path, storage):
     from data_prep import dump
 
     target = make_tiny_llama(vocab_size=128)
-    train.write_corpus(synthetic(), tmp_path / "data")
+    write_corpus(synthetic(), tmp_path / "data")
     extra = ["train.mode=offline", f"dump.storage={storage}", "dump.topk=16", "dump.dtype=float32"]
     cfg = load_recipe(None, tiny_args(tmp_path, extra=extra))
     dump.main(cfg, model=target)
@@ -125,7 +130,7 @@ def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
 
     model, tok = smollm2
     samples = smollm2_samples(tok, n=28, length=64)
-    train.write_corpus(samples[:20], tmp_path / "data", eval_samples=samples[20:])
+    write_corpus(samples[:20], tmp_path / "data", eval_samples=samples[20:])
     extra = ["target.model=smollm2-135m-instruct", "head.draft_vocab_size=2048", "train.learning_rate=2e-3",
              "train.ttt_steps=2", "train.eval_batches=2", "train.mode=offline", "dump.storage=topk",
              "dump.topk=32", "dump.batch_tokens=2048", "dump.dtype=float32"]
@@ -138,12 +143,12 @@ def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.05, m
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_resume_after_kill_equals_uninterrupted(tmp_path, kind):
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+def test_resume_after_kill_equals_uninterrupted(tmp_path, head_type):
     target = make_tiny_llama(vocab_size=128)
     data = tmp_path / "data"
-    train.write_corpus(synthetic(n=24), data)
-    common = [f"head.type={kind}", f"data.output={data}", "train.save_every=3", "train.grad_accum=2"]
+    write_corpus(synthetic(n=24), data)
+    common = [f"head.type={head_type}", f"data.output={data}", "train.save_every=3", "train.grad_accum=2"]
     full = train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=7, extra=common)), target=target)
     # the "killed" run: stops after the step-3 checkpoint (and a few micro-steps more is not saved)
     killed = load_recipe(None, tiny_args(tmp_path / "b", steps=7, extra=common))
@@ -164,18 +169,18 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path, kind):
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     target = make_tiny_llama(vocab_size=128)
-    train.write_corpus(synthetic(n=16), tmp_path / "data")
+    write_corpus(synthetic(n=16), tmp_path / "data")
     calls = {"n": 0}
-    real = train.DraftLoss.forward
+    real = DraftLoss.forward
 
     def poisoned(self, b, with_stats=True):
         loss, stats = real(self, b, with_stats)
         calls["n"] += self.training
         return (loss * float("nan") if calls["n"] > 3 and self.training else loss), stats
 
-    monkeypatch.setattr(train.DraftLoss, "forward", poisoned)
+    monkeypatch.setattr(DraftLoss, "forward", poisoned)
     cfg = load_recipe(None, tiny_args(tmp_path, steps=10, extra=["train.save_every=2"]))
-    with pytest.raises(train.TrainingDiverged, match="non-finite training loss at step 3.*checkpoint"):
+    with pytest.raises(TrainingDiverged, match="non-finite training loss at step 3.*checkpoint"):
         train.main(cfg, target=target)
     ckpt = tmp_path / "train/checkpoint"
     assert json.loads((ckpt / "train_state.json").read_text())["step"] == 2
@@ -187,7 +192,7 @@ def test_cli_trains_from_a_target_folder(tmp_path, capsys):
 
     target_dir = tmp_path / "target"
     make_tiny_llama(vocab_size=128, layers=4).save_pretrained(target_dir)
-    train.write_corpus(synthetic(n=16), tmp_path / "data")
+    write_corpus(synthetic(n=16), tmp_path / "data")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\ntarget:\n  model: {target_dir}\ndata:\n  source: x\n")
     args = ["train", str(recipe), "train.mode=online", "train.engine=none", "train.max_steps=4",
@@ -220,8 +225,8 @@ def test_draft_vocab_barrier_is_entered_whether_or_not_the_file_exists(tmp_path)
         return torch.arange(100, 0, -1).float()
 
     path = tmp_path / "draft_vocab.safetensors"
-    d2t, t2d = train.shared_draft_vocab(Acc(), path, count, 10)  # rank 0: counts and writes
-    d2t_late, t2d_late = train.shared_draft_vocab(Acc(), path, count, 10)  # a late rank: file exists
+    d2t, t2d = shared_draft_vocab(Acc(), path, count, 10)  # rank 0: counts and writes
+    d2t_late, t2d_late = shared_draft_vocab(Acc(), path, count, 10)  # a late rank: file exists
     assert Acc.entered == 2 and len(counted) == 1
     assert torch.equal(d2t, d2t_late) and torch.equal(t2d, t2d_late) and int(t2d.sum()) == 10
 
@@ -231,7 +236,7 @@ def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
     step-0 held-out accuracy is the trained head's, not a fresh one's); a head of other shapes is refused."""
     target = make_tiny_llama(vocab_size=128)
     for run in ("a", "b", "c"):
-        train.write_corpus(synthetic(), tmp_path / run / "data")
+        write_corpus(synthetic(), tmp_path / run / "data")
     first = train.main(load_recipe(None, tiny_args(tmp_path / "a")), target=target)
     res = train.main(load_recipe(None, tiny_args(tmp_path / "b", steps=2, extra=[f"head.init={first['final']}"])),
                      target=target)

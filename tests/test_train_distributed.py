@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import ROOT, make_tiny_llama
+from helpers import write_corpus
 from test_train import synthetic
 
-from eagle_train import train
 from eagle_train.heads import load_head
 
 
@@ -26,7 +26,7 @@ from eagle_train.heads import load_head
 def test_two_cpu_processes(tmp_path, engine, stage):
     target_dir = tmp_path / "target"
     make_tiny_llama(vocab_size=128, layers=4).save_pretrained(target_dir)
-    train.write_corpus(synthetic(n=32), tmp_path / "data")
+    write_corpus(synthetic(n=32), tmp_path / "data")
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(f"""output_dir: {tmp_path}
 target:

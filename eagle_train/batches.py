@@ -1,0 +1,149 @@
+"""Batches and their training targets, for eagle_train/train.py: where the samples come from (the
+dump offline, the prepared corpus online), which of them form each rank's micro-batches (seeded,
+length-bucketed), and the targets each position is trained on (`add_targets`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle_train.dump_reader import FeatureDataset, collate
+from eagle_train.eagle3 import check_aux_layers
+from eagle_train.target import target_id
+
+
+@torch.no_grad()
+def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant"):
+    """Training targets. `valid` (B, L): positions whose token is trained on (`positions`: the
+    assistant replies, or every real token). EAGLE-3 adds `p`, the target distribution at every
+    position restricted to the draft vocabulary and renormalized, and `top1` (target ids); a
+    position whose target top-1 lies outside the draft vocabulary is not valid (the head cannot
+    propose it). From the lean dump's top-k, `p` stays sparse: (draft ids, probs) each (B, L, k)."""
+    real = b["attention_mask"].bool()
+    b["valid"] = real & (b["loss_mask"].bool() if positions == "assistant" else real)
+    if head_type == "eagle1":
+        return b
+    if "last" in b:
+        last = b["last"].to(lm_head_w.dtype)
+        b["p"] = torch.softmax((last @ lm_head_w[draft_ids].T).float(), dim=-1)
+        flat = last.reshape(-1, last.shape[-1])  # exact full-vocabulary argmax, in chunks of tokens
+        b["top1"] = torch.cat([(c @ lm_head_w.T).argmax(-1) for c in flat.split(chunk)]).view(last.shape[:2])
+    else:
+        didx = t2d_index[b["topk_ids"].long()]  # draft id or -1
+        probs = b["topk_logp"].float().exp() * (didx >= 0)
+        b["p"] = (didx.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-20))
+        b["top1"] = b["topk_ids"][..., 0].long()
+    # p[t] predicts token t+1: token t+1 is learnable only if the target's top-1 at t is a draft token
+    b["valid"][:, 1:] &= t2d_index[b["top1"][:, :-1]] >= 0
+    return b
+
+
+def pad_collate(batch):
+    """Right-pad prepared-corpus samples (online mode) to the longest."""
+    L = max(len(x["input_ids"]) for x in batch)
+    out = {k: torch.zeros(len(batch), L, dtype=torch.long) for k in ("input_ids", "loss_mask", "attention_mask")}
+    for i, x in enumerate(batch):
+        n = len(x["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(x["input_ids"])
+        out["loss_mask"][i, :n] = torch.as_tensor(x["loss_mask"])
+        out["attention_mask"][i, :n] = 1
+    return out
+
+
+def open_data(cfg, split):
+    """(dataset, collate) for a split ("train" or "eval"); None for a missing eval split."""
+    if cfg.train.mode == "offline":
+        folder = Path(cfg.dump.output) / ("eval" if split == "eval" else "")
+        if not (folder / "manifest.json").is_file():
+            if split == "eval":
+                return None
+            raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
+                                    f"`eagle-train dump <recipe>` or train with train.mode=online")
+        return FeatureDataset(folder), collate
+    from datasets import load_from_disk
+
+    folder = Path(cfg.data.output) / split
+    if not folder.is_dir():
+        if split == "eval":
+            return None
+        raise FileNotFoundError(f"no prepared corpus at {folder} (data.output); create it with `eagle-train prep <recipe>`")
+    ds = load_from_disk(str(folder)).with_format(None)
+    return ds, pad_collate
+
+
+def dump_expectation(cfg, tconf, digest):
+    """What the dump's manifest must say for this recipe (eagle_train.dump_reader.CONTRACT)."""
+    storage = cfg.dump.storage
+    aux = check_aux_layers(cfg.head.aux_layers, tconf.num_hidden_layers) if cfg.head.type == "eagle3" else None
+    return {"target_id": target_id(cfg.target), "target_digest": digest, "head_type": cfg.head.type,
+            "aux_layers": aux, "storage": storage, "dtype": cfg.dump.dtype,
+            "topk": cfg.dump.topk if storage == "topk" else None, "max_length": cfg.data.max_length,
+            "hidden_size": tconf.hidden_size, "num_layers": tconf.num_hidden_layers, "vocab_size": tconf.vocab_size,
+            "tokenizer_digest": _read_json(Path(cfg.data.output) / "stats.json").get("tokenizer_digest")}
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def corpus_pairs(cfg, ds):
+    """(input_ids, loss_mask) of every training sample, for the draft-vocabulary counts."""
+    from datasets import load_from_disk
+
+    folder = Path(cfg.data.output) / "train"
+    if cfg.train.mode == "offline" and folder.is_dir():  # the prepared corpus is cheaper to scan than the dump
+        ds = load_from_disk(str(folder))
+    if hasattr(ds, "column_names"):
+        return zip(ds["input_ids"], ds["loss_mask"])
+    return ((ds[i]["input_ids"], ds[i]["loss_mask"]) for i in range(len(ds)))
+
+
+def batch_indices(n, mb, world, rank, seed, epoch, lengths=None, bucket=64):
+    """This rank's micro-batches of one epoch: a seeded permutation split into global batches.
+    With `lengths`, each run of `bucket` global batches of the permutation is sorted by length
+    before it is cut (samples padded to a similar length), and the batches are shuffled again."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    per = mb * world
+    perm = perm[:n - n % per]
+    if lengths is not None:
+        span = per * bucket
+        perm = [i for c in range(0, len(perm), span) for i in sorted(perm[c:c + span], key=lambda i: lengths[i])]
+        order = torch.randperm(len(perm) // per, generator=g).tolist()
+        perm = [i for j in order for i in perm[j * per:(j + 1) * per]]
+    return [perm[i + rank * mb:i + (rank + 1) * mb] for i in range(0, len(perm), per)]
+
+
+def sample_lengths(ds):
+    """Token count of every sample (the dump's manifest, or the prepared corpus)."""
+    if hasattr(ds, "lengths"):
+        return list(ds.lengths)
+    return [len(x) for x in ds["input_ids"]]
+
+
+def load_batch(ds, collate, idx, device):
+    return {k: v.to(device) for k, v in collate([ds[i] for i in idx]).items() if torch.is_tensor(v)}
+
+
+def feature_rms(b):
+    """Per-dim RMS of the aux features of batch `b` over its real tokens (feature normalization)."""
+    aux, m = b["aux"].float(), b["attention_mask"].bool()
+    return aux[m].pow(2).mean(0).add(1e-6).sqrt()
+
+
+def eval_batches(accelerator, ds, collate, features, micro_batch_size, max_batches):
+    """This rank's held-out batches with their target features, built once and kept for every
+    evaluation (online mode would otherwise rerun the target on them each time), as (batch, weight).
+    Every rank runs the same number of forwards (ZeRO-3 gathers weights inside them, and the stats
+    tensor reduced in `evaluate` must have one length): a rank short of batches repeats one, weight 0."""
+    every = [list(range(i, min(i + micro_batch_size, len(ds)))) for i in range(0, len(ds), micro_batch_size)]
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = min(max_batches, -(-len(every) // world))
+    mine = every[rank::world][:n]
+    return [(features(load_batch(ds, collate, mine[j] if j < len(mine) else every[0], accelerator.device)),
+             int(j < len(mine))) for j in range(n)]

@@ -1,0 +1,227 @@
+"""Engine and checkpoints, for eagle_train/train.py: the accelerate/DeepSpeed set-up, the
+learning-rate schedule, atomic checkpoints with per-file digests, the divergence checks that stop
+a run before it saves exploded weights, and the learning-curve log."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+
+import torch
+
+from eagle_train.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
+from eagle_train.dump_reader import sha256_file
+from eagle_train.errors import CheckpointError, TrainingDiverged
+from eagle_train.files import atomic_write_text, replace_dir
+
+# divergence: a loss above this is no cross-entropy over any vocabulary (ln 256k ~ 12.5 per TTT step)
+LOSS_CAP = 1e4
+# weights may grow to this many times their initial max |w| (at least 1): Adam moves a weight by
+# about lr per step, so a sound run stays far below, and lr 1e6 (|w| ~ 1e6) does not
+WEIGHT_GROWTH = 100
+
+
+def lr_lambda(tc):
+    def f(step):
+        if step < tc.warmup_steps:
+            return (step + 1) / (tc.warmup_steps + 1)
+        frac = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+        return {"cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac, "constant": 1.0}[tc.scheduler]
+    return f
+
+
+def make_accelerator(cfg, out):
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    tc, cuda = cfg.train, torch.cuda.is_available()
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    mp = mixed_precision(tc, cuda, multi)
+    kw = dict(mixed_precision=mp, gradient_accumulation_steps=tc.grad_accum)
+    if multi:  # gloo is what DeepSpeed/DDP need on CPU
+        kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")]
+    if tc.engine == "deepspeed" and multi:
+        ds = {"train_micro_batch_size_per_gpu": tc.micro_batch_size, "gradient_accumulation_steps": tc.grad_accum,
+              "gradient_clipping": tc.grad_clip, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": tc.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+              "bf16": {"enabled": mp == "bf16"}, "fp16": {"enabled": mp == "fp16"}}
+        ds = merge(ds, dict(tc.deepspeed))
+        if not cuda:
+            # DeepSpeed JIT-compiles a shared-memory all-reduce op for CPU ranks; only inference_all_reduce
+            # uses it, never training, and the build needs a compiler and minutes on a small box.
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if tc.zero_stage == 3:  # the final head is gathered from the partitions on rank 0
+            ds["zero_optimization"].setdefault("stage3_gather_16bit_weights_on_model_save", True)
+        kw["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED"):
+        # launched with --use_deepspeed but one process (or engine ddp/none): run without DeepSpeed.
+        # Only override what the launcher set, so in-process callers' environments stay untouched.
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if multi and not cuda and "deepspeed_plugin" not in kw:
+        kw["cpu"] = True  # accelerate forms a CPU (gloo) process group for DDP only when told it is on CPU
+    if tc.tracker != "none":
+        if tc.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        kw.update(log_with=tc.tracker, project_dir=str(out))
+    accelerator = Accelerator(**kw)
+    if multi and accelerator.num_processes != int(os.environ["WORLD_SIZE"]):
+        # independent single-process runs would overwrite each other's checkpoints in one folder
+        raise RuntimeError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed "
+                           f"{accelerator.num_processes} process(es); check the accelerate launch flags")
+    if "deepspeed_plugin" in kw and tc.zero_stage == 3:
+        # Accelerator registers its ZeRO-3 config with transformers, whose from_pretrained would then
+        # partition the frozen target at load; every rank needs all of it for its own forward. ZeRO-3
+        # partitions only what deepspeed.initialize is given: the trained head.
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return accelerator
+
+
+def mixed_precision(tc, cuda, multi):
+    """accelerate's mixed_precision. GPU: bf16 under auto. CPU: bf16 autocast (fp32 master weights
+    and losses) where the CPU has native bf16 matmuls (AVX512-BF16/AMX: 1.4-1.7x faster head
+    steps measured, bench/RESULTS.md), else fp32; DeepSpeed's CPU ranks stay fp32."""
+    asked = tc.mixed_precision
+    if cuda:
+        return "bf16" if asked == "auto" else asked
+    if multi and tc.engine == "deepspeed":
+        return "no"
+    if asked == "auto":
+        return "bf16" if cpu_has_fast_bf16() else "no"
+    return "no" if asked == "fp16" else asked
+
+
+def cpu_has_fast_bf16() -> bool:
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # native bf16 dot products
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def merge(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def save_checkpoint(accelerator, out, state):
+    """Atomic: write checkpoint.tmp on every rank, then swap it in for the old one."""
+    ckpt, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's shard is in tmp before rank 0 moves it (a slow rank lost its folder)
+    if accelerator.is_main_process:
+        # sha256 of every file: resume refuses a checkpoint whose bytes changed (flipped, truncated)
+        state = {**state, "files": {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*"))
+                                    if f.is_file() and f.name != "train_state.json"}}
+        (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
+        replace_dir(tmp, ckpt, old)  # checkpoint.old is what find_checkpoint falls back to
+    accelerator.wait_for_everyone()
+
+
+def shared_draft_vocab(accelerator, path, count, size):
+    """(d2t, t2d): rank 0 counts tokens and writes `path`, the other ranks read it. Every rank enters
+    the block whether or not the file exists yet: a rank that checked first and skipped it would miss
+    the barrier rank 0 waits on (seen as a 2-rank hang when rank 1 arrived after the file was written)."""
+    with accelerator.main_process_first():
+        if not path.is_file():
+            counts = count()
+            save_draft_vocab(path, *build_draft_vocab(counts, size), counts)
+    return load_draft_vocab(path)
+
+
+def read_checkpoint(ckpt):
+    """train_state.json of a checkpoint after checking every recorded file's sha256."""
+    path = ckpt / "train_state.json"
+    try:
+        state = json.loads(path.read_text())
+        state["step"], state["micro_step"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is damaged; move {ckpt} away to resume from checkpoint.old (if any) or "
+                              "start over with train.resume=false") from None
+    for name, digest in state.get("files", {}).items():
+        f = ckpt / name
+        if not f.is_file() or sha256_file(f) != digest:
+            raise CheckpointError(f"{f}: {'missing' if not f.is_file() else 'sha256 check failed'} (the checkpoint "
+                                  f"changed after it was saved); restore it, or start over with train.resume=false")
+    return state
+
+
+def max_abs(params) -> float:
+    """Largest |w| over this rank's parameters (its partition under ZeRO-3); inf when any is non-finite."""
+    m = 0.0
+    for p in params:
+        if p.numel():
+            w = p.detach().abs().max().float()
+            m = max(m, float(w) if torch.isfinite(w) else math.inf)
+    return m
+
+
+def check_weights(accelerator, params, bound, step, out):
+    """Stop before saving exploded weights; the last checkpoint (saved while they were sound) stays."""
+    bad = accelerator.reduce(torch.tensor([float(not max_abs(params) <= bound)], device=accelerator.device), "sum")
+    if bad.item() > 0:
+        raise TrainingDiverged(f"weights exploded at step {step} (max |w| > {bound:g} = {WEIGHT_GROWTH} x their "
+                               f"initial size) or went non-finite; stopped without saving. {last_sound(out)}; "
+                               "resume with a lower train.learning_rate or train.grad_clip")
+
+
+def last_sound(out) -> str:
+    ckpt = find_checkpoint(out)
+    if ckpt is None:
+        return "No checkpoint was saved before"
+    step = json.loads((ckpt / "train_state.json").read_text())["step"]
+    return f"Last sound checkpoint: {ckpt} (step {step})"
+
+
+def find_checkpoint(out):
+    for name in ("checkpoint", "checkpoint.old"):  # .old survives a kill between the two renames
+        if (out / name / "train_state.json").is_file():
+            return out / name
+    return None
+
+
+def log_curve(accelerator, out, step, progress, metrics):
+    """One line of <train.output>/curve.jsonl per evaluation: held-out metrics against training
+    tokens, CPU seconds and wall seconds (bench/curves.py plots it)."""
+    if accelerator.is_main_process:
+        row = {"step": step, **progress, **{k: v for k, v in metrics.items() if k.startswith("eval/")}}
+        with open(out / "curve.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def trim_curve(accelerator, out, step):
+    path = out / "curve.jsonl"
+    if accelerator.is_main_process and path.is_file():
+        # resuming at `step`: keep the rows up to it; a fresh start (step 0) keeps none
+        rows = [r for r in path.read_text().splitlines() if r.strip() and step and json.loads(r)["step"] <= step]
+        atomic_write_text(path, "".join(r + "\n" for r in rows))
+
+
+def param_digest(tensors) -> str:
+    """sha256 of the tensors' float32 bytes: the saved head and every rank's parameters agree."""
+    return hashlib.sha256(b"".join(t.detach().float().cpu().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def gathered(params, zero3: bool):
+    """Full parameters on every rank for the block (ZeRO-3 keeps only a partition per rank)."""
+    if not zero3:
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(params)
+
+
+def gather_from_ranks(accelerator, obj):
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    from accelerate.utils import gather_object
+
+    return gather_object([obj]) if accelerator.num_processes > 1 else [obj]

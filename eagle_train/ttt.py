@@ -1,0 +1,148 @@
+"""The training-time-test (TTT) math and the draft loss: a library for eagle_train/train.py.
+
+Alignment (engine convention): at position t the head reads (token_{t+1}, feature_t) and predicts
+token_{t+2}, i.e. the target distribution at t+1. Only positions whose predicted token is
+loss-masked (assistant) and present count.
+
+Training-time test (EAGLE-3): step s>0 feeds step s-1's own output (pre-norm, H wide) as the
+feature at the same position, the input tokens shifted s further, at position id t+s. Its
+attention sees the step-0 keys causally plus, at the same position only, the keys of steps
+1..s - what the head sees when it drafts s tokens ahead at inference. We never build the
+(B, heads, L, L*steps) score matrix: each step scores causally against the step-0 keys (L x L)
+and against its own diagonal (one dot product per earlier step, L x s), and takes one softmax over
+the concatenation. Memory per step is O(L^2 + L*s), so the unroll grows linearly in steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_train.draft_vocab import draft_ids_of
+
+
+def shift(x, k, fill=0):
+    """x[:, t + k] at index t (fill past the end); keeps the length."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.shape[0], k, *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def ttt_attention(q, k0, v0, ks, vs):
+    """q (B, h, n, d); k0/v0 (B, kv, n, d) step-0 keys (causal); ks/vs: keys of steps 1..s at the
+    same position (each (B, kv, n, d)). One softmax over [n causal scores | s diagonal scores]."""
+    rep, scale, n = q.shape[1] // k0.shape[1], q.shape[-1] ** -0.5, q.shape[2]
+    k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
+    scores = (q @ k0.transpose(-1, -2)) * scale  # (B, h, n, n)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    diag = torch.stack([(q * k.repeat_interleave(rep, 1)).sum(-1) for k in ks], dim=-1) * scale  # (B, h, n, s)
+    probs = torch.softmax(torch.cat([scores, diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :n] @ v0
+    for i, v in enumerate(vs):
+        out = out + probs[..., n + i, None] * v.repeat_interleave(rep, 1)
+    return out
+
+
+def soft_ce(logits, p, valid):
+    """Sum over valid positions of -sum_v p log softmax(logits), and the count. `p` is dense
+    (B, n, Vd), or sparse as (ids, probs) each (B, n, k) (the lean dump's top-k): then
+    -sum_k p_k logits[ids_k] + logsumexp(logits) * sum_k p_k, without a dense (B, n, Vd) target."""
+    logits = logits.float()
+    if isinstance(p, tuple):
+        ids, probs = p
+        ce = torch.logsumexp(logits, dim=-1) * probs.sum(-1) - (logits.gather(-1, ids) * probs).sum(-1)
+    else:
+        ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    return (ce * valid).sum(), valid.sum()
+
+
+def shift_target(p, k):
+    return tuple(shift(x, k) for x in p) if isinstance(p, tuple) else shift(p, k)
+
+
+def cut(p, n):
+    return tuple(x[:, :n] for x in p) if isinstance(p, tuple) else p[:, :n]
+
+
+def ttt_unroll(head, ids, aux, steps):
+    """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
+    step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}."""
+    mid = head.midlayer
+    attn = mid.self_attn
+    hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
+    B, n = hidden.shape[:2]
+    pos = torch.arange(n, device=ids.device).expand(B, n)
+    ks, vs = [], []
+    for s in range(steps):
+        tok = shift(ids, 1 + s)[:, :n]
+        cos, sin = head.rotary(hidden, pos + s)
+        q, k, v = attn.qkv(mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin)
+        if s == 0:
+            k0, v0 = k, v
+            rep = q.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               is_causal=True)
+        else:
+            ks.append(k), vs.append(v)
+            o = ttt_attention(q, k0, v0, ks, vs)
+        out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
+        yield out, head.lm_head(head.norm(out))
+        hidden = out
+
+
+class DraftLoss(nn.Module):
+    """Wraps the head so DDP/DeepSpeed see one forward: batch -> (loss, stats).
+
+    EAGLE-3: sum over TTT steps s < ttt_steps of ttt_decay**s * soft CE against the target
+    distribution. EAGLE-1/2: (feature_weight * smooth-L1 on the next feature + token_weight * CE)
+    with uniform input noise of half-width `noise` while training. `feature_scale`: per-dim RMS of
+    the aux features; fc trains on aux / feature_scale and the scale is folded back on save."""
+
+    def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None):
+        super().__init__()
+        self.head, self.head_type = head, head.head_type
+        self.ttt_steps, self.ttt_decay = ttt_steps, ttt_decay
+        self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
+        self.register_buffer("feature_scale", feature_scale, persistent=False)
+
+    def forward(self, b, with_stats=True):
+        """(loss, stats); stats (top-1 hits per TTT step) only when asked: logging steps and evals."""
+        return self.eagle3(b, with_stats) if self.head_type == "eagle3" else self.eagle1(b)
+
+    def eagle3(self, b, with_stats=True):
+        head, steps = self.head, self.ttt_steps
+        ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
+        aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
+        loss, stats = 0.0, {}
+        for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps)):
+            n = logits.shape[1]
+            # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
+            valid = shift(valid_tok, 2 + s)[:, :n].float()
+            ce, cnt = soft_ce(logits, cut(shift_target(p, 1 + s), n), valid)
+            loss = loss + self.ttt_decay ** s * ce / cnt.clamp(min=1)
+            if with_stats:
+                with torch.no_grad():
+                    hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(b["top1"], 1 + s)[:, :n]).float()
+                    stats[f"acc_{s}"] = torch.stack([(hit * valid).sum(), cnt.detach()])
+        return loss, stats
+
+    def eagle1(self, b):
+        head = self.head
+        ids, valid_tok, last = b["input_ids"], b["valid"], b["last"].to(head.fc.weight.dtype)
+        feat, nxt = last[:, :-1], last[:, 1:]
+        if self.training and self.noise > 0:
+            feat = feat + (torch.rand_like(feat) * 2 - 1) * self.noise
+        n = feat.shape[1]
+        pos = torch.arange(n, device=ids.device).expand(ids.shape[0], n)
+        out, logits, _ = head(ids[:, 1:], feat, pos)
+        valid = shift(valid_tok, 2)[:, :n].to(feat.dtype)
+        with torch.no_grad():
+            p = torch.softmax(head.lm_head(nxt).float(), dim=-1)
+        ce, cnt = soft_ce(logits, p, valid)
+        l1 = (F.smooth_l1_loss(out.float(), nxt.float(), reduction="none").mean(-1) * valid).sum()
+        loss = (self.feature_weight * l1 + self.token_weight * ce) / cnt.clamp(min=1)
+        hit = (logits.argmax(-1) == p.argmax(-1)).to(valid.dtype)
+        return loss, {"acc_0": torch.stack([(hit * valid).sum().detach(), cnt.detach()])}
+
