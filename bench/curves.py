@@ -31,7 +31,7 @@ from record import record  # noqa: E402  (bench/record.py)
 from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate  # noqa: E402
 from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
-from eval.run import load_prompts, render  # noqa: E402
+from eagle_train.eval.run import load_prompts, render  # noqa: E402
 
 EVAL_SETS = ROOT.parent / "shared" / "data" / "eagle_eval"
 

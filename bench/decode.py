@@ -31,7 +31,7 @@ from record import record  # noqa: E402  (bench/record.py)
 
 from eagle_train.decoding import (SpecConfig, prompt_lookup_generate, speculative_generate, timed,  # noqa: E402
                                   vanilla_generate)
-from eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
+from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 
 SETTINGS = [
     ("chain", dict(tree="chain", depth=2)),

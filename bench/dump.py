@@ -84,7 +84,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from data_prep import dump, prepare
+    from eagle_train.data_prep import dump, prepare
     from datasets import load_from_disk
     from eagle_train.features import target_features
     from eagle_train.recipe import load_recipe

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_prep.readers import Skips, read_conversations, with_system_prompt
-from data_prep.templates import TemplateError, special_ids, tokenize_conversation
+from eagle_train.data_prep.readers import Skips, read_conversations, with_system_prompt
+from eagle_train.data_prep.templates import TemplateError, special_ids, tokenize_conversation
 from eagle_train.files import atomic_dir
 
 def _features():
@@ -96,7 +96,7 @@ def main(cfg) -> dict:
     # 1. read + normalize (bad records are counted, never fatal); regen.enabled: the target's own replies
     source, fmt, limit = d.source, d.format, d.max_conversations
     if cfg.regen.enabled:
-        from data_prep.regenerate import regenerated_source
+        from eagle_train.data_prep.regenerate import regenerated_source
 
         source, fmt, limit = regenerated_source(cfg), "messages", None
     skips = Skips()

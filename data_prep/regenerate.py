@@ -38,8 +38,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from data_prep.readers import Skips, read_conversations, with_system_prompt
-from data_prep.templates import render, special_ids
+from eagle_train.data_prep.readers import Skips, read_conversations, with_system_prompt
+from eagle_train.data_prep.templates import render, special_ids
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text, refuse_orphan_pieces

@@ -18,12 +18,12 @@ import os
 import sys
 
 STAGES = {
-    "regen": ("data_prep.regenerate", "cli"),
-    "prep": ("data_prep.prepare", "cli"),
-    "dump": ("data_prep.dump", "cli"),
+    "regen": ("eagle_train.data_prep.regenerate", "cli"),
+    "prep": ("eagle_train.data_prep.prepare", "cli"),
+    "dump": ("eagle_train.data_prep.dump", "cli"),
     "train": ("eagle_train.train", "cli"),
-    "eval": ("eval.run", "cli"),
-    "sweep": ("eval.run", "sweep_cli"),
+    "eval": ("eagle_train.eval.run", "cli"),
+    "sweep": ("eagle_train.eval.run", "sweep_cli"),
     "export": ("eagle_train.export", "cli"),
     "check": ("eagle_train.export", "check_cli"),
     "push": ("eagle_train.hub", "cli"),

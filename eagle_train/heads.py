@@ -119,11 +119,11 @@ def check_head_matches(head, provenance: dict, cfg, target_digest=None, where="e
                        tokenizer_digest=None) -> None:
     """Refuse a head made for another head type, aux layers, target weights or tokenizer / chat
     template than the recipe says."""
-    problems, kind = [], head_type(head)
-    if kind != cfg.head.type:
-        problems.append(f"it is an {kind} head but the recipe says head.type={cfg.head.type}")
+    problems = []
+    if head.head_type != cfg.head.type:
+        problems.append(f"it is an {head.head_type} head but the recipe says head.type={cfg.head.type}")
     aux = getattr(head.config, "aux_layers", None)
-    if kind == "eagle3" and cfg.head.aux_layers is not None and list(cfg.head.aux_layers) != list(aux):
+    if head.head_type == "eagle3" and cfg.head.aux_layers is not None and list(cfg.head.aux_layers) != list(aux):
         problems.append(f"it reads aux layers {list(aux)} but the recipe says head.aux_layers={list(cfg.head.aux_layers)}")
     theirs = provenance.get("target_digest")
     if theirs and target_digest and theirs != target_digest:

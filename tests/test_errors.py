@@ -247,7 +247,7 @@ CASES = [
 # ---------------------------------------------------------------- second round: new cases of every class
 def regen_folder(w, c, *overrides, damage=None):
     """A complete regen output for the world recipe (what `eagle-train regen` leaves), then `damage`."""
-    from data_prep.regenerate import settings_of
+    from eagle_train.data_prep.regenerate import settings_of
     from eagle_train.dump_reader import sha256_file
     from eagle_train.recipe import load_recipe
 
@@ -540,7 +540,7 @@ def test_scripts_answer_help_and_fail_in_one_line(world, tmp_path):
     proc = subprocess.run([sys.executable, "eagle_train/train.py", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "accelerate launch eagle_train/train.py" in proc.stdout, proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "data_prep.dump", str(world / "recipe.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "eagle_train.data_prep.dump", str(world / "recipe.yaml"),
                            "target.model=nobody/no-such-model", f"dump.output={tmp_path}/dump"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -569,7 +569,7 @@ def test_out_of_range_library_is_one_line_at_every_entry_point(tmp_path):
     env.pop("EAGLE_TRAIN_DEBUG", None)
     recipe = str(ROOT / "recipes/smollm2-135m-eagle3.yaml")
     for argv in ([str(Path(sys.executable).parent / "eagle-train"), "prep", recipe],
-                 [sys.executable, "eagle_train/train.py", recipe], [sys.executable, "-m", "data_prep.dump", recipe]):
+                 [sys.executable, "eagle_train/train.py", recipe], [sys.executable, "-m", "eagle_train.data_prep.dump", recipe]):
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(lines) == 1, (argv, proc.stderr)

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from conftest import make_tiny_llama
 from eagle_train.heads import build_head, save_head
 from eagle_train.recipe import HeadConfig, load_recipe
-from eval import report as report_mod
-from eval import run
+from eagle_train.eval import report as report_mod
+from eagle_train.eval import run
 
 RECIPE = "recipes/smollm2-135m-eagle3.yaml"
 

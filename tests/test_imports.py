@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from conftest import ROOT
 
-PACKAGES = ["eagle_train", "data_prep", "eval"]
+PACKAGES = ["eagle_train", "eagle_train.data_prep", "eagle_train.eval"]
 
 
 def modules():
@@ -30,7 +30,8 @@ def import_alone(name):
 
 def test_each_module_imports_alone_in_a_fresh_interpreter():
     names = modules()
-    assert {"eagle_train.train", "eagle_train.export", "eagle_train.heads", "eagle_train.layout"} <= set(names)
+    assert {"eagle_train.train", "eagle_train.export", "eagle_train.heads", "eagle_train.layout",
+            "eagle_train.data_prep.dump", "eagle_train.eval.run"} <= set(names)
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:  # one interpreter per module
         failed = [r for r in pool.map(import_alone, names) if r[1] != 0]
     assert not failed, failed

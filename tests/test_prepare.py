@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SHAREGPT
-from data_prep import readers
-from data_prep.prepare import cli, main, split_indices
-from data_prep.readers import Skips, read_conversations
+from eagle_train.data_prep import readers
+from eagle_train.data_prep.prepare import cli, main, split_indices
+from eagle_train.data_prep.readers import Skips, read_conversations
 from eagle_train.recipe import load_recipe
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"

@@ -11,8 +11,8 @@ import torch
 from transformers import GenerationConfig
 
 from conftest import ROOT, SHAREGPT, make_tiny_llama
-from data_prep import regenerate
-from data_prep.templates import render
+from eagle_train.data_prep import regenerate
+from eagle_train.data_prep.templates import render
 from eagle_train.recipe import RecipeError, load_recipe
 
 
@@ -66,7 +66,7 @@ def test_turn_structure_eos_and_prep(tmp_path, smollm2):
         assert tok.decode(out[:n], skip_special_tokens=True) == recs[cid][k]["content"], cid
 
     # prep reads the regenerated replies when regen.enabled
-    from data_prep.prepare import main as prep
+    from eagle_train.data_prep.prepare import main as prep
 
     stats = prep(load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=24", "regen.shard_size=3",
                                         "regen.enabled=true", "data.eval_fraction=0")))
@@ -115,7 +115,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path, smollm2_tokenizer):
     ref = regenerate.main(load_recipe(None, [f"output_dir={tmp_path}/ref", *common]))
     assert ref["complete"] and ref["shards"] == 3
 
-    driver = ("import os, signal, sys; from data_prep import regenerate; "
+    driver = ("import os, signal, sys; from eagle_train.data_prep import regenerate; "
               "regenerate.on_shard_written = lambda folder, i: os.kill(os.getpid(), signal.SIGKILL); "
               "regenerate.cli(sys.argv[1:])")
     cfg_args = [f"output_dir={tmp_path}/run", *common]

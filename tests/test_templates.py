@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from data_prep.templates import TemplateError, reply_spans, tokenize_conversation
+from eagle_train.data_prep.templates import TemplateError, reply_spans, tokenize_conversation
 
 QWEN25 = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

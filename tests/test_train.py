@@ -91,7 +91,7 @@ def test_tiny_target_30_steps_learn(tmp_path, head_type):
 def test_tiny_target_offline_from_dump(tmp_path, storage):
     """Offline mode reads the dump: `full` -> softmax(target lm_head(last)) over the draft vocabulary,
     `topk` -> renormalized top-k probabilities; both learn."""
-    from data_prep import dump
+    from eagle_train.data_prep import dump
 
     target = make_tiny_llama(vocab_size=128)
     write_corpus(synthetic(), tmp_path / "data")
@@ -126,7 +126,7 @@ def smollm2_samples(tok, n=40, length=96):
 def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
     """Offline from a real SmolLM2 top-k dump (the recipe default; online mode and full storage run
     the same loss and are covered on the tiny target, SmolLM2 forwards being slow on this CPU)."""
-    from data_prep import dump
+    from eagle_train.data_prep import dump
 
     model, tok = smollm2
     samples = smollm2_samples(tok, n=28, length=64)
