@@ -429,7 +429,8 @@ CASES += [
      r"model\.safetensors"),
     ("check-config-not-object", damaged_head("export", lambda h: (h / "config.json").write_text("[1]"), "check"),
      r"config\.json"),
-    ("check-no-folder", lambda w, c: ["check", str(c / "no-such-export")], r"no-such-export"),
+    ("check-no-folder", lambda w, c: ["check", str(c / "no-such-export")],
+     r"no-such-export: config\.json, model\.safetensors missing"),
     # benchmark file
     ("benchmark-missing", lambda w, c: eval_as(f"eval.benchmarks=[{c}/none.jsonl]")(w, c), r"none\.jsonl"),
     ("benchmark-no-turns", benchmark('{"question_id": 1, "text": "hello"}\n'), r"bench\.jsonl:1: record has neither"),
