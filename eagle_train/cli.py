@@ -6,6 +6,7 @@
     train   eagle_train/train.py   train the head (for several processes use `accelerate launch`)
     eval    eval/run.py            tau, acceptance by depth, speedup; report.md/json + plots
     sweep   eval/run.py --sweep    tau and speedup over the recipe's tree-setting grid
+    deploy  eval/deploy.py         speedup vs batch size (batched generate vs the head): when to deploy
     export  eagle_train/export.py  head -> vLLM/SGLang layout + model card
     check   eagle_train/export.py  validate an exported folder against the contract and the target
     push    eagle_train/hub.py     upload an exported folder to the Hugging Face Hub
@@ -24,6 +25,7 @@ STAGES = {
     "train": ("eagle_train.train", "cli"),
     "eval": ("eagle_train.eval.run", "cli"),
     "sweep": ("eagle_train.eval.run", "sweep_cli"),
+    "deploy": ("eagle_train.eval.deploy", "cli"),
     "export": ("eagle_train.export", "cli"),
     "check": ("eagle_train.export", "check_cli"),
     "push": ("eagle_train.hub", "cli"),
@@ -32,6 +34,7 @@ STAGES = {
 READS = {
     "regen": "target, data, regen", "prep": "target, data, regen", "dump": "target, data, dump, head",
     "train": "target, data, dump, head, train", "eval": "target, head, eval", "sweep": "target, head, eval",
+    "deploy": "target, head, eval",
     "export": "target, head, train, eval, hub", "check": "hub, target (when given a recipe)", "push": "hub",
 }
 ARGPARSE = ("check", "push")  # these parse their own options and answer --help themselves

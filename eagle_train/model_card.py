@@ -127,6 +127,29 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
     return lines
 
 
+def deploy_section(eval_dir) -> list:
+    """The `eagle-train deploy` table (speedup against batch size) and its advice, when
+    <eval dir>/deploy.json exists; nothing otherwise."""
+    from pathlib import Path
+
+    path = Path(eval_dir) / "deploy.json"
+    try:
+        dep = json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        dep = None
+    if not dep or not dep.get("rows"):
+        return []
+    lines = ["## When to deploy", "", f"Advice: **{dep['advice']}** ({dep.get('device', '?')}; "
+             f"load average {(dep.get('load_average') or {}).get('start')}; {dep.get('date', '')}): the head's gain "
+             "shrinks as the batch grows and the target stops being memory-bound.", "",
+             "| batch | speedup | tok/s generate | tok/s EAGLE | latency generate / EAGLE (s) |", "|---|---|---|---|---|"]
+    for r in dep["rows"]:
+        g, h = r["generate"], r["head"]
+        lines.append(f"| {r['batch_size']} | {r['speedup']:.2f}x | {g['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} | "
+                     f"{g['latency_mean_s']:.2f} / {h['latency_mean_s']:.2f} |")
+    return lines + [""]
+
+
 def training_lines(head_type: str, train_state: dict) -> list:
     """The data and settings the head was trained with, as its training run recorded them."""
     data, run = train_state.get("data") or {}, train_state.get("train") or {}
@@ -184,6 +207,7 @@ def render(head, cfg, recipe_yaml: str, config: dict, train_state: dict | None =
         lines += ["SGLang has no static trees: the evaluated static tree cannot be served as is; run "
                   "`eagle-train sweep` for a dynamic-tree setting it serves.", ""]
     lines += eval_section(report, sweep)
+    lines += deploy_section(cfg.eval.output)
     lines += ["## Head", "", "| | |", "|---|---|",
               f"| type | {name} (`{config['architectures'][0]}`) |",
               f"| target | `{cfg.target.model}`" + (f" @ `{cfg.target.revision}`" if cfg.target.revision else "") + " |",

@@ -264,6 +264,12 @@ class EvalConfig:
     sweep_topk: List[int] = field(default_factory=lambda: [1, 2, 4])
     sweep_depth: List[int] = field(default_factory=lambda: [2, 3, 4, 6])
     sweep_num_draft_tokens: List[int] = field(default_factory=lambda: [4, 8, 16])
+    # `eagle-train deploy`: batch sizes at which batched `generate` and the batched head are timed; the
+    # report names the largest one the head still wins at ("use EAGLE up to batch N on this hardware")
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    # `eagle-train deploy`: first-turn prompts cycled to fill every batch (None: eval.max_prompts, and
+    # when that is None too, the largest batch size)
+    deploy_prompts: Optional[int] = None
     # dtype the target decodes in (None: target.dtype), for the baseline and the head alike. bfloat16 on a
     # CPU with native bf16 makes a tree pass of <= 8 nodes cost about one token (bench/RESULTS.md), but a tree
     # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
