@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from eagle_train.dump_reader import sha256_file
 from eagle_train.eagle3 import check_aux_layers
-from eagle_train.errors import DumpError
+from eagle_train.errors import CorpusError, DumpError
 from eagle_train.features import quantize_fp8, target_features
 from eagle_train.files import atomic_path, atomic_save, refuse_orphan_pieces
 from eagle_train.recipe import RecipeError, load_recipe, split_args
@@ -82,6 +82,9 @@ def main(cfg, model=None) -> Dict[str, dict]:
         model, _ = load_target(OmegaConf.merge(cfg.target, {"device": str(device), "dtype": run_dtype(cfg)}),
                                with_tokenizer=False)
     header = dump_header(cfg, model)
+    if cfg.dump.storage == "topk" and cfg.dump.topk > header["vocab_size"]:
+        raise RecipeError(f"`dump.topk` = {cfg.dump.topk} exceeds the target's vocabulary ({header['vocab_size']} "
+                          "tokens); set dump.topk below it")
     out = Path(cfg.dump.output)
     stats = {"train": dump_split(model, train, out, {**header, "split": "train"}, cfg.dump, state)}
     if evals is not None:
@@ -95,10 +98,14 @@ def load_split(folder: Path):
     if not (folder / "state.json").is_file():
         raise FileNotFoundError(f"prepared corpus not found: {folder} (data.output); "
                                 f"create it with `eagle-train prep <recipe>`")
-    if not json.loads((folder / "state.json").read_text()).get("_data_files"):
-        # a split saved with 0 rows (data.eval_fraction=0): datasets cannot load it back
-        return Dataset.from_dict({"id": [], "input_ids": [], "loss_mask": []})
-    return load_from_disk(str(folder))
+    try:
+        if not json.loads((folder / "state.json").read_text()).get("_data_files"):
+            # a split saved with 0 rows (data.eval_fraction=0): datasets cannot load it back
+            return Dataset.from_dict({"id": [], "input_ids": [], "loss_mask": []})
+        return load_from_disk(str(folder))
+    except (OSError, ValueError, AttributeError) as err:  # a cut-off .arrow file or damaged state.json
+        raise CorpusError(f"prepared corpus {folder} (data.output) is damaged ({type(err).__name__}: "
+                          f"{str(err)[:160]}); rerun `eagle-train prep <recipe>`") from None
 
 
 def run_dtype(cfg) -> str:

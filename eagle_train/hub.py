@@ -68,7 +68,7 @@ def _hub_failure(err, token) -> str:
     """The client's error in one line, token scrubbed, and what to do about it."""
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    first = (_scrub(str(err), token).strip().splitlines() or [""])[0][:300]
+    said = " ".join(line.strip() for line in _scrub(str(err), token).splitlines() if line.strip())[:400]
     if isinstance(err, OfflineModeIsEnabled):
         todo = "the hub client is offline (HF_HUB_OFFLINE is set): unset it and push again"
     elif isinstance(err, HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 403):
@@ -77,7 +77,7 @@ def _hub_failure(err, token) -> str:
         todo = "the hub answered with an error: check hub.repo_id and hub.revision, then push again"
     else:  # connection refused, DNS, timeout, proxy
         todo = "the hub is not reachable: check the network (or hub.endpoint / HF_ENDPOINT) and push again"
-    return f"{type(err).__name__}: {first}; {todo} (the files go in one commit: a failed push leaves no partial upload)"
+    return f"{type(err).__name__}: {said}; {todo} (the files go in one commit: a failed push leaves no partial upload)"
 
 
 def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str | None = None,

@@ -303,6 +303,15 @@ def prep_from(make_source):
     return build
 
 
+def prepared_damaged(damage):
+    """The dump reading a damaged copy of the prepared corpus."""
+    def build(w, c):
+        data = copy(w, c, "data")
+        damage(data)
+        return ["dump", str(w / "recipe.yaml"), f"data.output={data}", f"dump.output={c}/dump"]
+    return build
+
+
 def binary_jsonl(w, c):
     (c / "noise.jsonl").write_bytes(bytes(range(256)) * 64)
     return c / "noise.jsonl"
@@ -400,6 +409,12 @@ CASES += [
     ("corpus-binary-jsonl", prep_from(binary_jsonl), r"no usable conversation"),
     ("corpus-folder-without-files", prep_from(empty_folder), r"folder has no"),
     ("corpus-missing-file", prep_from(lambda w, c: c / "none.jsonl"), r"none\.jsonl.*not found"),
+    ("dump-prepared-arrow-truncated", prepared_damaged(lambda d: truncate(first(d, "train/*.arrow"))),
+     r"prepared corpus .*train \(data\.output\) is damaged"),
+    ("dump-prepared-state-broken", prepared_damaged(lambda d: truncate(d / "train/state.json")),
+     r"prepared corpus .*train \(data\.output\) is damaged"),
+    ("dump-topk-over-vocab", lambda w, c: ["dump", str(w / "recipe.yaml"), "dump.storage=topk", "dump.topk=100000",
+                                           f"dump.output={c}/dump"], r"dump\.topk` = 100000 exceeds"),
     # shard
     ("shard-emptied", damaged_dump(lambda d: first(d, "shard-*.safetensors").write_bytes(b"")),
      r"shard-r000-.*sha256"),
@@ -585,3 +600,23 @@ def test_out_of_range_library_is_one_line_at_every_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=600,
                           env={**env, "EAGLE_TRAIN_SKIP_VERSION_CHECK": "1"})
     assert proc.returncode == 0 and "usage: eagle-train prep" in proc.stdout, proc.stderr
+
+
+def test_regen_shard_is_done_only_while_it_matches_its_record(tmp_path):
+    """What a regen rerun skips and prep accepts: a shard whose progress record is readable and
+    whose sha256 matches; a damaged one is redone (records from before sha256 was kept still count)."""
+    from eagle_train.data_prep.regenerate import shard_record
+    from eagle_train.dump_reader import sha256_file
+
+    (tmp_path / "progress").mkdir()
+    shard, record = tmp_path / "shard-00000.jsonl", tmp_path / "progress/shard-00000.json"
+    shard.write_text('{"id": "a", "messages": []}\n' * 8)
+    record.write_text(json.dumps({"conversations": 8, "sha256": sha256_file(shard)}))
+    assert shard_record(tmp_path, 0)["conversations"] == 8
+    flip(shard)
+    assert shard_record(tmp_path, 0) is None
+    record.write_text(json.dumps({"conversations": 8}))  # an older record: no digest to compare
+    assert shard_record(tmp_path, 0) == {"conversations": 8}
+    truncate(record)
+    assert shard_record(tmp_path, 0) is None
+    assert shard_record(tmp_path, 1) is None
