@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from eagle_train.eagle1 import Eagle1Config, Eagle1Head

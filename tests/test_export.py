@@ -417,3 +417,25 @@ def test_card_serves_exactly_the_evaluated_tree():
     assert model_card.serving_commands("eagle3", "t", "me/h", setting)[1] is None
     depth, label = model_card.chain_setting(setting, static, None)
     assert depth == 3 and "chain τ not measured" in label
+
+
+def test_rope_settings_one_reading_for_every_config_form():
+    """The head's RoPE from the target's HF config (training) and from an export's config.json (loading
+    back) goes through one reader: legacy keys, `type` instead of `rope_type`, transformers 5
+    `rope_parameters` and a config object all give the same (theta, scaling); plain RoPE gives None."""
+    from transformers import LlamaConfig
+
+    from eagle_train.layers import rope_settings
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    want = (500000.0, scaling)
+    assert rope_settings({"rope_theta": 500000, "rope_scaling": dict(scaling)}) == want
+    legacy = {k: v for k, v in scaling.items() if k != "rope_type"}
+    assert rope_settings({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **legacy}}) == want
+    assert rope_settings({"rope_parameters": {"rope_theta": 500000.0, **scaling}}) == want
+    conf = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={"rope_theta": 500000.0, **scaling})
+    assert rope_settings(conf) == want
+    assert rope_settings({"rope_theta": 1e4, "rope_scaling": {"rope_type": "default"}}) == (10000.0, None)
+    assert rope_settings({}) == (10000.0, None)
+    assert rope_settings(LlamaConfig(hidden_size=64, num_attention_heads=4)) == (10000.0, None)
