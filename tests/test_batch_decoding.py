@@ -169,12 +169,12 @@ def test_sampling_matches_target_per_row(monkeypatch):
 
 def test_smollm2_rows_equal_generate(smollm2):
     """The embedded target and its trained head: three chat prompts of different lengths, the first
-    answered in a word (EOS early), decoded together equal each prompt's own `generate`."""
+    answered in one short sentence (EOS early), decoded together equal each prompt's own `generate`."""
     from eagle_train.heads import load_head
 
     model, tok = smollm2
     head = load_head("heads/smollm2-135m-instruct-eagle3", target=model).eval()
-    texts = ["Answer with one word: what colour is the sky on a clear day?",
+    texts = ["What is the capital of France?",
              "Write a haiku about autumn leaves falling in a quiet forest by the river.",
              "List three tips for staying focused while studying."]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
