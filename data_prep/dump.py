@@ -1,8 +1,8 @@
 """Dump stage: run the frozen target over the prepared corpus, write sharded safetensors features.
 
     eagle-train dump recipe.yaml [key=value ...]
-    accelerate launch --num_processes N -m data_prep.dump recipe.yaml   # N GPUs, one share each
-    accelerate launch --multi_gpu --num_processes 2 -m data_prep.dump recipe.yaml   # N processes on CPU (gloo)
+    accelerate launch --num_processes N -m eagle_train.data_prep.dump recipe.yaml   # N GPUs, one share each
+    accelerate launch --multi_gpu --num_processes 2 -m eagle_train.data_prep.dump recipe.yaml   # N processes on CPU (gloo)
 
 Reads `data.output/{train,eval}` (written by `eagle-train prep`), keeps samples with any loss-masked
 token, sorts them by length and cuts them into batches of at most `dump.batch_tokens` padded tokens.
@@ -26,12 +26,11 @@ recorded shard against its sha256 (a failure is printed by shard name and the sh
 shards without a record (killed mid-write), and dumps only the rows no record holds, so samples are
 never dropped or duplicated, whatever the number of processes. The first lines of manifest.json name
 the target, layers, storage and a hash of the feature-relevant recipe settings; a rerun with other
-ones into the same folder is refused, naming the differing field.
+ones into the same folder is refused, naming the differing field (data_prep/dump_folder.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -45,15 +44,15 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from eagle_train.data_prep.dump_folder import (FORMAT, check_folder, dump_header, merge_manifest, read_records,
+                                               run_dtype, verify_and_clean, write_json)
 from eagle_train.dump_reader import sha256_file
-from eagle_train.eagle3 import check_aux_layers
-from eagle_train.errors import CorpusError, DumpError
+from eagle_train.errors import CorpusError
 from eagle_train.features import quantize_fp8, target_features
-from eagle_train.files import atomic_path, atomic_save, refuse_orphan_pieces
+from eagle_train.files import atomic_path
 from eagle_train.recipe import RecipeError, load_recipe, split_args
-from eagle_train.target import DTYPES, load_target, model_digest, resolve_device, target_id
+from eagle_train.target import DTYPES, load_target, resolve_device
 
-FORMAT = "eagle-train-dump/1"
 # called as on_shard_written(folder, record) after each shard and its record are on disk (tests, monitors)
 on_shard_written = None
 
@@ -108,115 +107,6 @@ def load_split(folder: Path):
                           f"{str(err)[:160]}); rerun `eagle-train prep <recipe>`") from None
 
 
-def run_dtype(cfg) -> str:
-    """The dtype the target runs in for the dump."""
-    return cfg.dump.target_dtype or cfg.target.dtype
-
-
-def dump_header(cfg, model) -> dict:
-    """Everything the features depend on; stored in the manifest and compared on reruns."""
-    conf = model.config.get_text_config()
-    n = conf.num_hidden_layers
-    aux = check_aux_layers(cfg.head.aux_layers, n) if cfg.head.type == "eagle3" else None
-    t, d = cfg.target, cfg.data
-    settings = {
-        "target": {"model": target_id(t), "revision": t.revision, "gguf_file": t.gguf_file, "dtype": run_dtype(cfg)},
-        "data": {k: d[k] for k in ("source", "format", "split", "max_length", "max_conversations",
-                                   "system_prompt", "eval_fraction")},
-        "dump": {"storage": cfg.dump.storage, "dtype": cfg.dump.dtype,
-                 "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
-        "head": {"type": cfg.head.type, "aux_layers": aux},
-    }
-    if cfg.regen.enabled:  # the replies are the target's: what generated them is part of the features' identity
-        settings["regen"] = {k: cfg.regen[k] for k in ("max_new_tokens", "temperature", "top_p", "max_turns", "seed")}
-    settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))
-    vocab = model.get_output_embeddings().weight.shape[0]
-    return {
-        "format": FORMAT,
-        "target_id": target_id(t),
-        "revision": t.revision,
-        "commit": getattr(model.config, "_commit_hash", None),
-        "target_digest": model_digest(model, t.dtype),
-        "tokenizer_digest": _corpus_tokenizer_digest(cfg),
-        "aux_layers": aux,
-        "head_type": cfg.head.type,
-        "storage": cfg.dump.storage,
-        "dtype": cfg.dump.dtype,
-        "topk": settings["dump"]["topk"],
-        "hidden_size": conf.hidden_size,
-        "num_layers": n,
-        "vocab_size": vocab,
-        "max_length": d.max_length,
-        "recipe_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
-        "settings": settings,
-    }
-
-
-# header field -> recipe key the user changes, checked in this order on a rerun
-IDENTITY = [("format", None), ("target_id", "target.model"), ("target_digest", "target.model (its weights)"),
-            ("revision", "target.revision"),
-            ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
-            ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("recipe_hash", None)]
-
-
-def check_folder(out: Path, header: dict) -> None:
-    """Refuse to add to a folder that holds a dump made with other settings."""
-    path = out / "manifest.json"
-    refuse_orphan_pieces(out, path, "shard-*.safetensors", "dump.output")
-    if not path.is_file():
-        return
-    try:
-        old = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        _check_records(out, header)
-        print(f"[dump] {path} is unreadable; rebuilding it from the progress/ records", file=sys.stderr)
-        return
-    for field, key in IDENTITY:
-        if field == "target_digest" and field not in old:  # a dump from before digests were recorded
-            continue
-        if old.get(field) != header[field]:
-            what = f"`{key}`" if key else field
-            if field == "recipe_hash":
-                diff = _diff(old.get("settings", {}), header["settings"])
-                what = "recipe settings " + ", ".join(f"`{k}` ({a!r} there, {b!r} now)" for k, a, b in diff)
-                raise RecipeError(f"{out} (dump.output) holds a dump made with other {what}; refusing to mix them. "
-                                  f"Use another dump.output or delete the folder.")
-            raise RecipeError(f"{out} (dump.output) holds a dump with {field} = {old.get(field)!r}, but this recipe "
-                              f"gives {header[field]!r} ({what}); refusing to mix them. "
-                              f"Use another dump.output or delete the folder.")
-
-
-def _check_records(out: Path, header: dict) -> None:
-    """With manifest.json unreadable, the shard records still say which recipe made them."""
-    try:
-        recs = read_records(out)
-    except DumpError:
-        recs = None
-    hashes = {r.get("recipe_hash") for r in (recs or {}).values()}
-    if recs is None or hashes - {header["recipe_hash"]}:
-        raise DumpError(f"{out}/manifest.json is unreadable and its progress/ records do not show this recipe made "
-                        "the shards; use another dump.output or delete the folder")
-
-
-def _corpus_tokenizer_digest(cfg):
-    """The tokenizer + chat template digest `eagle-train prep` recorded for the corpus (None: not recorded)."""
-    try:
-        return json.loads((Path(cfg.data.output) / "stats.json").read_text()).get("tokenizer_digest")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
-
-
-def _diff(a: dict, b: dict, prefix: str = "") -> list:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += _diff(x, y, f"{prefix}{k}.")
-        elif x != y:
-            out.append((f"{prefix}{k}", x, y))
-    return out
-
-
 def select_samples(ds) -> tuple[np.ndarray, np.ndarray]:
     """Rows with any loss-masked token and their lengths, computed on the Arrow columns (no Python lists)."""
     import pyarrow.compute as pc
@@ -246,43 +136,6 @@ def plan_batches(rows, lengths, batch_tokens: int) -> List[List[int]]:
     if cur:
         batches.append(cur)
     return batches
-
-
-def write_json(path: Path, obj) -> None:
-    atomic_save(path, obj, indent=1)
-
-
-def read_records(out: Path) -> Dict[str, dict]:
-    recs = {}
-    for p in sorted((out / "progress").glob("shard-*.json")):
-        try:
-            rec = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DumpError(f"{p}: shard record is not valid JSON; delete it and the shard {p.stem} beside it "
-                            "and rerun the dump (it redoes that shard's samples)") from None
-        recs[rec["file"]] = rec
-    return recs
-
-
-def verify_and_clean(out: Path, rank: int, world: int) -> None:
-    """Each rank checks its share of the recorded shards; rank 0 also removes temp files and unrecorded shards."""
-    recs = read_records(out)
-    for name in sorted(recs)[rank::world]:
-        shard, rec_path = out / name, out / "progress" / (name + ".json")
-        if not shard.is_file():
-            print(f"[dump] {shard}: recorded but missing; redoing its {recs[name]['num_samples']} samples")
-            rec_path.unlink(missing_ok=True)
-        elif (digest := sha256_file(shard)) != recs[name]["sha256"]:
-            print(f"[dump] {shard}: sha256 check FAILED (expected {recs[name]['sha256'][:12]}..., "
-                  f"got {digest[:12]}...); redoing its {recs[name]['num_samples']} samples", file=sys.stderr)
-            rec_path.unlink(missing_ok=True)
-            shard.unlink()
-    if rank == 0:
-        for p in list(out.glob("*.tmp*")) + list((out / "progress").glob("*.tmp*")):
-            p.unlink(missing_ok=True)
-        for p in out.glob("shard-*.safetensors"):
-            if p.name not in recs:  # renamed but its record never written: killed in between
-                p.unlink(missing_ok=True)
 
 
 def encode(feats: Dict[str, torch.Tensor], valid: torch.Tensor, dtype: str) -> Dict[str, torch.Tensor]:
@@ -427,23 +280,6 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
     return {"num_samples": sum(r["num_samples"] for r in mine_new), "num_tokens": sum(r["num_tokens"] for r in mine_new),
             "bytes": sum(r["bytes"] for r in mine_new), "seconds": seconds,
             "tokens_per_s": sum(r["num_tokens"] for r in mine_new) / max(seconds, 1e-9)}
-
-
-def merge_manifest(out: Path, header: dict, rows: np.ndarray) -> dict:
-    """Rank 0, after every rank finished: all records -> manifest.json; checks nothing is lost or doubled."""
-    recs = read_records(out)
-    got = [r for rec in recs.values() for r in rec["rows"]]
-    if len(got) != len(set(got)) or set(got) != set(rows.tolist()):
-        raise RuntimeError(f"{out}: shards hold {len(set(got))} distinct of {len(rows)} expected samples "
-                           f"({len(got) - len(set(got))} duplicated); rerun the dump to repair")
-    shards = [recs[k] for k in sorted(recs)]
-    manifest = {**header, "complete": True, "num_samples": len(got),
-                "num_tokens": sum(s["num_tokens"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
-                "shards": shards}
-    write_json(out / "manifest.json", manifest)
-    print(f"[dump] {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-          f"{len(shards)} shards, {manifest['bytes'] / max(manifest['num_tokens'], 1):.0f} bytes/token")
-    return manifest
 
 
 if __name__ == "__main__":
