@@ -193,8 +193,8 @@ def iter_json_array(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
                 pos += 1
             if not started and pos < len(buf):
                 if buf[pos] != "[":
-                    raise ValueError(f"{path}: not a JSON array (starts with {buf[pos]!r}); "
-                                     "use .jsonl for one record per line")
+                    raise CorpusError(f"{path}: not a JSON array (starts with {buf[pos]!r}); "
+                                      "use .jsonl for one record per line")
                 started, pos = True, pos + 1
                 continue
             if pos < len(buf) and buf[pos] == "]":

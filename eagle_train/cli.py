@@ -37,6 +37,8 @@ READS = {
     "deploy": "target, head, eval",
     "export": "target, head, train, eval, hub", "check": "hub, target (when given a recipe)", "push": "hub",
 }
+# an output folder given as an existing file (or the reverse), a read-only folder: the user's path
+PATH_ERRORS = (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 ARGPARSE = ("check", "push")  # these parse their own options and answer --help themselves
 
 
@@ -64,11 +66,14 @@ def run_stage(stage: str, func, argv) -> int:
         return 0
     try:
         return func(argv) or 0
-    except (EagleError, FileNotFoundError) as err:
+    except (EagleError, FileNotFoundError, *PATH_ERRORS) as err:
         if debug:
             raise
+        what = one_line(err)
+        if isinstance(err, PATH_ERRORS) and err.filename:
+            what = f"{err.filename}: {err.strerror}: a path in the recipe or command is not usable; fix it or pick another"
         # on a line of its own: a progress bar the error interrupted leaves no newline behind
-        print(f"\neagle-train {stage}: error: {one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        print(f"\neagle-train {stage}: error: {what} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

@@ -312,6 +312,13 @@ def prepared_damaged(damage):
     return build
 
 
+def output_is_a_file(stage, key):
+    def build(w, c):
+        (c / "f").write_text("a file the user keeps")
+        return [stage, str(w / "recipe.yaml"), f"{key}={c}/f"] + (["train.mode=online"] if stage == "train" else [])
+    return build
+
+
 def binary_jsonl(w, c):
     (c / "noise.jsonl").write_bytes(bytes(range(256)) * 64)
     return c / "noise.jsonl"
@@ -450,6 +457,13 @@ CASES += [
     ("benchmark-missing", lambda w, c: eval_as(f"eval.benchmarks=[{c}/none.jsonl]")(w, c), r"none\.jsonl"),
     ("benchmark-no-turns", benchmark('{"question_id": 1, "text": "hello"}\n'), r"bench\.jsonl:1: record has neither"),
     ("benchmark-empty", benchmark(""), r"bench\.jsonl: no prompts"),
+    # an output path that is an existing file
+    ("train-output-is-a-file", output_is_a_file("train", "train.output"), r"/f: File exists"),
+    ("dump-output-is-a-file", output_is_a_file("dump", "dump.output"), r"/f/progress: Not a directory"),
+    ("eval-output-is-a-file", output_is_a_file("eval", "eval.output"), r"/f: File exists"),
+    ("regen-output-is-a-file", output_is_a_file("regen", "regen.output"), r"/f: File exists"),
+    ("regen-source-not-json", lambda w, c: (c / "c.txt").write_text("hello\n") and regen_as(
+        f"data.source={c}/c.txt")(w, c), r"c\.txt: not a JSON array"),
     # hub
     ("push-no-token", push_as("hub.repo_id=me/tiny"), r"no Hugging Face token"),
     ("push-no-repo-id", push_as(), r"hub\.repo_id"),
@@ -620,3 +634,18 @@ def test_regen_shard_is_done_only_while_it_matches_its_record(tmp_path):
     truncate(record)
     assert shard_record(tmp_path, 0) is None
     assert shard_record(tmp_path, 1) is None
+
+
+@pytest.mark.parametrize("stage", sorted(cli.STAGES))
+def test_every_stage_answers_short_help(stage, capsys, monkeypatch):
+    monkeypatch.setenv("EAGLE_TRAIN_DEBUG", "0")  # --debug sets it for the process: undone after the test
+    with pytest.raises(SystemExit) if stage in cli.ARGPARSE else _nothing():
+        assert cli.main([stage, "-h", "--debug"]) == 0
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_unknown_stage_prints_the_stage_list(capsys):
+    assert cli.main(["trian", "recipe.yaml"]) == 2
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert out.count("eagle-train <stage> recipe.yaml") == 2 and all(s in out for s in cli.STAGES)
