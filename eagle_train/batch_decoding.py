@@ -39,10 +39,11 @@ def _committed(lens: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.arange(slots, device=lens.device)[None] < lens[:, None]
 
 
-def target_pass(model, ids, cache, aux_layers, position_ids, attention_mask):
-    """Target logits (B, n, V) fp32 and head features (B, n, F) of every input token."""
+def target_pass(model, ids, cache, aux_layers, position_ids, attention_mask, logits_to_keep=0):
+    """Target logits (B, n, V) fp32 and head features (B, n, F) of every input token; logits only at
+    the positions `logits_to_keep` (B, k) when given (transformers' convention, 0: all)."""
     out = model(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                use_cache=True, output_hidden_states=True)
+                use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
     hs = out.hidden_states
     feats = torch.cat([hs[i] for i in aux_layers], dim=-1) if aux_layers else hs[-1]
     return out.logits.float(), feats
@@ -270,10 +271,12 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
     mask = _additive(causal[None] & _committed(lens, P)[:, None], model.dtype)
     cache = DynamicCache()
-    logits, feats = target_pass(model, ids, cache, aux, torch.arange(P, device=dev).expand(B, P), mask)
+    # logits of each row's last prompt token only: B x V, not B x P x V (as `generate` keeps only the last)
+    logits, feats = target_pass(model, ids, cache, aux, torch.arange(P, device=dev).expand(B, P), mask,
+                                logits_to_keep=(lens - 1)[:, None])
     tokens, roots, alive = [], [], []
     for b in range(B):
-        last = logits[b, len(prompts[b]) - 1]
+        last = logits[b, 0]
         root = (int(last.argmax()) if greedy
                 else sample(target_probs(last, cfg.temperature, cfg.top_p, cfg.top_k), gens[b]))
         toks, done = _finish([root], cfg.max_new_tokens, eos_token_id)

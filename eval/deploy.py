@@ -51,7 +51,8 @@ def generate_batch(model, prompts: Sequence[torch.Tensor], max_new_tokens: int, 
     for b, p in enumerate(prompts):
         ids[b, width - len(p):] = p.to(dev)
         mask[b, width - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, generation_config=plain_generation_config(max_new_tokens, eos_token_id))
+    gcfg = plain_generation_config(max_new_tokens, eos_token_id)
+    out = model.generate(ids, attention_mask=mask, generation_config=gcfg)
     return [_finish(row, max_new_tokens, eos_token_id)[0] for row in out[:, width:].tolist()]
 
 
@@ -77,7 +78,7 @@ def measure(model, head, prompts: Sequence[torch.Tensor], batch_sizes: Sequence[
         generate_batch(model, batches[0], WARM_TOKENS, eos_token_id)
         head_batch(model, head, batches[0], warm, eos_token_id)
         acc = {m: {"tokens": 0, "seconds": 0.0, "latencies": []} for m in ("generate", "head")}
-        accepted, passes, differ = 0, 0, 0
+        accepted, passes, differ, t_draft, t_verify = 0, 0, 0, 0.0, 0.0
         for k, batch in enumerate(tqdm(batches, desc=f"deploy batch {size}", disable=not progress, leave=False)):
             outs = {}
             for m in (("generate", "head") if k % 2 == 0 else ("head", "generate")):  # interleaved
@@ -87,18 +88,24 @@ def measure(model, head, prompts: Sequence[torch.Tensor], batch_sizes: Sequence[
                     (outs[m], st), t = timed(head_batch, model, head, batch, scfg, eos_token_id)
                     accepted += sum(a + 1 for r in st["rows"] for a in r["accept_lengths"])
                     passes += sum(r["passes"] for r in st["rows"])
+                    t_draft, t_verify = t_draft + st["t_draft"], t_verify + st["t_verify"]
                 acc[m]["tokens"] += sum(len(o) for o in outs[m])
                 acc[m]["seconds"] += t
                 acc[m]["latencies"] += [t] * len(batch)  # every request of a batch returns with the batch
             differ += sum(a != b for a, b in zip(outs["generate"], outs["head"]))
         row = {"batch_size": size, "batches": len(batches), "requests": len(batches) * size}
         for m, a in acc.items():
-            row[m] = {"tokens": a["tokens"], "seconds": a["seconds"], "tokens_per_s": a["tokens"] / max(1e-9, a["seconds"]),
+            row[m] = {"tokens": a["tokens"], "seconds": a["seconds"],
+                      "tokens_per_s": a["tokens"] / max(1e-9, a["seconds"]),
                       "latency_mean_s": sum(a["latencies"]) / len(a["latencies"]), "latency_max_s": max(a["latencies"])}
         row["speedup"] = row["head"]["tokens_per_s"] / max(1e-9, row["generate"]["tokens_per_s"])
         row["latency_ratio"] = row["head"]["latency_mean_s"] / max(1e-9, row["generate"]["latency_mean_s"])
         row["tau"] = accepted / max(1, passes)
         row["rows_differing"] = differ
+        # draft: the head's passes and tree building; verify: the target's pass, acceptance, cache compaction
+        t = max(1e-9, row["head"]["seconds"])
+        row["head_time_split"] = {"draft": t_draft / t, "verify": t_verify / t,
+                                  "other": max(0.0, 1 - (t_draft + t_verify) / t)}
         rows.append(row)
     return rows
 
@@ -116,7 +123,8 @@ def crossover(rows: List[dict]):
 
 def advice(n) -> str:
     return (f"use EAGLE up to batch {n} on this hardware" if n is not None
-            else "use EAGLE up to batch none on this hardware: plain `generate` was faster at every batch size measured")
+            else "use EAGLE up to batch none on this hardware: plain `generate` was faster at every batch size "
+                 "measured")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,30 +146,32 @@ def deploy_markdown(rep: dict) -> str:
              "rows differing = rows whose head output is not batched `generate`'s (padding may round fp32 "
              "differently; the head decoder itself reproduces batch-1 greedy).", "",
              "| batch | speedup | tok/s generate | tok/s head | latency generate (s) | latency head (s) | tau "
-             "| requests | rows differing |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| head's time draft / verify | requests | rows differing |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["rows"]:
         g, h = r["generate"], r["head"]
         lines.append(f"| {r['batch_size']} | {r['speedup']:.2f}x | {g['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} "
                      f"| {g['latency_mean_s']:.2f} (max {g['latency_max_s']:.2f}) | {h['latency_mean_s']:.2f} "
-                     f"(max {h['latency_max_s']:.2f}) | {r['tau']:.2f} | {r['requests']} | {r['rows_differing']} |")
+                     f"(max {h['latency_max_s']:.2f}) | {r['tau']:.2f} | {100 * r['head_time_split']['draft']:.0f}% / "
+                     f"{100 * r['head_time_split']['verify']:.0f}% | {r['requests']} | {r['rows_differing']} |")
     lines += ["", "![speedup against batch size](deploy_speedup.png)", ""]
     return "\n".join(lines)
 
 
 def plot_deploy(rep: dict, path: Path) -> None:
-    rows = rep["rows"]
+    rows, n = rep["rows"], rep["crossover"]
     xs, ys = [r["batch_size"] for r in rows], [r["speedup"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, ys, marker="o", label="EAGLE head / generate")
     ax.axhline(1.0, color="grey", linestyle="--", label="break-even")
-    if rep["crossover"] is not None:
-        ax.axvline(rep["crossover"], color="tab:green", linestyle=":", label=f"crossover: batch {rep['crossover']}")
+    if n is not None:
+        ax.axvline(n, color="tab:green", linestyle=":", label=f"crossover: batch {n}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("batch size")
     ax.set_ylabel("speedup (output tokens/s over generate's)")
-    ax.set_title(f"Speedup against batch size ({rep.get('device', '')})")
+    ax.set_title(f"Speedup against batch size ({rep.get('device', '')}): EAGLE up to batch "
+                 f"{'none' if n is None else n}")
     ax.legend()
     _atomic_fig(fig, path)
 
