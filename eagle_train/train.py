@@ -94,8 +94,11 @@ def main(cfg, target=None, stop_after=None):
         t2d_index[draft_ids.cpu()] = torch.arange(draft_ids.numel())
     t2d_index, lm_head_w = t2d_index.to(dev), lm_head_w.to(dev)
 
-    def targets(b):
-        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=tc.loss_positions)
+    def targets(b, positions=tc.loss_positions):
+        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=positions)
+
+    def held_out_targets(b):  # always the replies: what the head drafts at decode time, whatever it trains on
+        return targets(b, "assistant")
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale)
@@ -135,7 +138,7 @@ def main(cfg, target=None, stop_after=None):
     trim_curve(accelerator, out, step)  # rows of evaluations after the checkpoint we resume from are redone
     if micro == 0 and held_out is not None:  # the untrained head, for comparison and the curve's origin
         metrics.update({k.replace("eval/", "eval0/"): v
-                        for k, v in evaluate(model, accelerator, held_out, targets).items()})
+                        for k, v in evaluate(model, accelerator, held_out, held_out_targets).items()})
         log_curve(accelerator, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
     lengths = sample_lengths(ds) if tc.length_buckets else None
     per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes, 0, 0, 0))
@@ -187,7 +190,7 @@ def main(cfg, target=None, stop_after=None):
                             **{f"train/{k}": v for k, v in accs.items()}})
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
         if held_out is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
-            metrics.update(evaluate(model, accelerator, held_out, targets))
+            metrics.update(evaluate(model, accelerator, held_out, held_out_targets))
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
             accelerator.print(f"[train] step {step}: "
                               + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "eval" in k))
