@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from eagle_train.dump_reader import sha256_file
 from eagle_train.eagle3 import check_aux_layers
-from eagle_train.errors import DumpError
+from eagle_train.errors import CorpusError, DumpError
 from eagle_train.files import atomic_save, refuse_orphan_pieces
 from eagle_train.recipe import RecipeError
 from eagle_train.target import model_digest, target_id
@@ -115,10 +115,14 @@ def _check_records(out: Path, header: dict) -> None:
 
 def _corpus_tokenizer_digest(cfg):
     """The tokenizer + chat template digest `eagle-train prep` recorded for the corpus (None: not recorded)."""
-    try:
-        return json.loads((Path(cfg.data.output) / "stats.json").read_text()).get("tokenizer_digest")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    path = Path(cfg.data.output) / "stats.json"
+    if not path.is_file():
         return None
+    try:
+        return json.loads(path.read_text()).get("tokenizer_digest")
+    except (OSError, ValueError, AttributeError) as err:  # without it no later stage could compare tokenizers
+        raise CorpusError(f"{path} (data.output) is damaged ({type(err).__name__}); it records the tokenizer the "
+                          "corpus was rendered with: rerun `eagle-train prep <recipe>`") from None
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list:

@@ -420,6 +420,8 @@ CASES += [
      r"prepared corpus .*train \(data\.output\) is damaged"),
     ("dump-prepared-state-broken", prepared_damaged(lambda d: truncate(d / "train/state.json")),
      r"prepared corpus .*train \(data\.output\) is damaged"),
+    ("dump-prepared-stats-broken", prepared_damaged(lambda d: truncate(d / "stats.json")),
+     r"stats\.json \(data\.output\) is damaged"),
     ("dump-topk-over-vocab", lambda w, c: ["dump", str(w / "recipe.yaml"), "dump.storage=topk", "dump.topk=100000",
                                            f"dump.output={c}/dump"], r"dump\.topk` = 100000 exceeds"),
     # shard
