@@ -7,7 +7,7 @@ left-aligned, row b's L_b committed entries in slots [0, L_b) (position s in slo
 [L_b, P) padding that no query sees. A step appends the same number of slots to every row: the
 drafted entries of one depth level (each row's frontier has the same size for one cfg), the
 verified tree (padded to the largest tree with dummy nodes that nothing attends to), the
-accepted pairs of the head update (padded to the longest path). `compact` then gathers each
+accepted pairs of the head update (padded to the longest path). Compaction then moves each
 row's kept entries into slots [L_b, L_b + kept_b) and drops finished rows, so a row that ends
 (EOS or budget) leaves the batch and costs nothing more, and no row sees another row's padding.
 
@@ -214,11 +214,29 @@ def compact(t: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.T
     return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
-def compact_cache(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) -> None:
+def compact_cache(cache: DynamicCache, rows: torch.Tensor, lens: torch.Tensor, src: List[List[int]]) -> None:
+    """Keep rows `rows` of every layer, row j with its committed slots [0, lens[j]) then the slots
+    src[j]. While every row stays, the kept entries move down in place and the layer keeps a view
+    (the next forward's cat copies the cache anyway: a gather here would copy it a second time);
+    when rows leave, one gather drops them."""
+    if len(rows) == cache.layers[0].keys.shape[0]:
+        b = torch.tensor([j for j, s in enumerate(src) for _ in s], device=rows.device, dtype=torch.long)
+        dst = torch.tensor([int(lens[j]) + k for j, s in enumerate(src) for k in range(len(s))], device=rows.device)
+        from_ = torch.tensor([i for s in src for i in s], device=rows.device, dtype=torch.long)
+        end = max(int(lens[j]) + len(s) for j, s in enumerate(src))
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[b, :, dst] = t[b, :, from_]
+                setattr(layer, name, t[:, :, :end])
+    else:
+        index = compact_index(lens, src)
+        end = index.shape[1]
+        for layer in cache.layers:
+            layer.keys, layer.values = compact(layer.keys, rows, index), compact(layer.values, rows, index)
     for layer in cache.layers:
-        layer.keys, layer.values = compact(layer.keys, rows, index), compact(layer.values, rows, index)
         if isinstance(getattr(layer, "cumulative_length", None), int):
-            layer.cumulative_length = index.shape[1]
+            layer.cumulative_length = end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,9 +309,9 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
         head, None, torch.zeros_like(lens),
         [prompts[b][1:].tolist() + [roots[b]] for b in range(B)], [feats[b, :len(prompts[b])] for b in range(B)])
     sel = torch.tensor(rows, device=dev)
-    index = compact_index(lens[sel], [[] for _ in rows])
     if len(rows) < B:
-        compact_cache(cache, sel, index)
+        index = compact_index(lens[sel], [[] for _ in rows])
+        compact_cache(cache, sel, lens[sel], [[] for _ in rows])
         hkv = (compact(hkv[0], sel, index), compact(hkv[1], sel, index))
         last_out, last_logp = last_out[sel], last_logp[sel]
     lens, roots = lens[sel], [roots[b] for b in rows]
@@ -325,7 +343,7 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
                 src.append([P + i for i in path])
         if keep:
             sel = torch.tensor(keep, device=dev)
-            compact_cache(cache, sel, compact_index(lens[sel], src))
+            compact_cache(cache, sel, lens[sel], src)
             hkv = (hkv[0].index_select(0, sel)[:, :, :P], hkv[1].index_select(0, sel)[:, :, :P])  # drop drafts
         t2 = _clock()
         stats["t_draft"] += t1 - t0
