@@ -51,14 +51,15 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
                "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                "TQDM_MININTERVAL": "5"}  # progress bars: a line every 5 s in the logs, not every update
 
-# target shape and pipeline sizes: `gpu` fits ~3-4 minutes on an H200, `tiny` a few minutes on 2 busy CPU cores
+# target shape and pipeline sizes: `gpu` fits ~3-4 minutes on an H200, `tiny` a few minutes on 2 CPU cores; 8 layers
+# so the default EAGLE-3 aux layers [2, N//2, N-3] = [2, 4, 5] are three different ones
 SIZES = {
-    "gpu": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "conversations": 400, "max_length": 512,
+    "gpu": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "conversations": 1000, "max_length": 512,
             "steps": 300, "micro_batch": 8, "eval_every": 100, "draft_vocab": 8192, "eval_prompts": 8,
-            "deploy_prompts": 16, "new_tokens": 64, "batch_sizes": [1, 2, 4, 8, 16], "stage_timeout": 300},
-    "tiny": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "conversations": 24, "max_length": 128,
-             "steps": 20, "micro_batch": 4, "eval_every": 10, "draft_vocab": 1024, "eval_prompts": 2,
-             "deploy_prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "stage_timeout": 600},
+            "deploy_prompts": 16, "new_tokens": 64, "batch_sizes": [1, 2, 4, 8, 16], "stage_timeout": 240},
+    "tiny": {"hidden": 64, "layers": 8, "heads": 4, "kv_heads": 2, "conversations": 24, "max_length": 128,
+             "steps": 20, "micro_batch": 4, "eval_every": 10, "draft_vocab": 1024, "eval_prompts": 1,
+             "deploy_prompts": 2, "new_tokens": 8, "batch_sizes": [1, 2], "stage_timeout": 1200},
 }
 
 RECIPE = """\
@@ -138,14 +139,16 @@ def prepare(args) -> int:
     wheels = sorted(p.name for p in (carry / "wheels").glob("*.whl"))
     (carry / "carry.json").write_text(json.dumps({"python": args.python_version, "platforms": PLATFORMS,
                                                   "pins": pins, "wheels": wheels}, indent=2))
-    tree, mine = tree_bytes(), folder_bytes(carry)
+    tree, mine = tree_bytes(), folder_bytes(carry)  # the carry is ignored: not in tree_bytes
     print(f"[gpu_check] {carry}: {mine / 2**20:.1f} MiB ({len(wheels)} wheels: {', '.join(wheels)})")
     print(f"[gpu_check] working tree {tree / 2**20:.1f} MiB + carry {mine / 2**20:.1f} MiB = "
           f"{(tree + mine) / 2**20:.1f} MiB (limit {LIMIT_MIB} MiB)")
     if tree + mine > LIMIT_MIB * 2**20:
         sys.exit(f"gpu_check prepare: {(tree + mine) / 2**20:.1f} MiB would travel, over the device machine's "
                  f"{LIMIT_MIB} MiB: drop wheels from WHEELS or shrink the tree")
-    rel = carry.relative_to(ROOT)
+    if not carry.is_relative_to(ROOT):
+        print(f"[gpu_check] note: {carry} is outside the checkout: a `run` call carries only paths inside it")
+    rel = carry.relative_to(ROOT) if carry.is_relative_to(ROOT) else carry
     print("[gpu_check] on the device machine, one call of the `run` tool:\n"
           f'  command:   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py run --carry {rel} --out "$OUT"\n'
           f'  carry:     ["{rel}"]\n'
@@ -169,30 +172,29 @@ def carried_wheels(carry: Path) -> list:
 
 
 def install_carried(wheels: list, work: Path, env: dict) -> None:
-    """pip install the carried wheels and eagle-train (no deps, no index) into work/site; PYTHONPATH points there."""
+    """pip install the carried wheels (no deps, no index) into work/site, beside a copy of eagle-train laid out
+    as pyproject's package-dir installs it (data_prep/ and eval/ as eagle_train.data_prep / eagle_train.eval):
+    no build step, so no setuptools version of the image's to depend on. PYTHONPATH points there."""
     site = work / "site"
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--target", str(site)]
-    subprocess.run(pip + [str(w) for w in wheels], check=True)
-    # build from a copy: setuptools writes build/ and egg-info beside the sources, and the tree stays untouched
-    src = work / "src"
-    for name in ("pyproject.toml", "README.md", "eagle_train", "data_prep", "eval"):
-        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copyfile
-        copy(ROOT / name, src / name)
-    subprocess.run(pip + ["--no-build-isolation", str(src)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--target", str(site), *map(str, wheels)], check=True)
+    shutil.copytree(ROOT / "eagle_train", site / "eagle_train")
+    for folder in ("data_prep", "eval"):
+        shutil.copytree(ROOT / folder, site / "eagle_train" / folder)
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in [env.get("PYTHONPATH")] if p])
 
 
 PROBE = """
-import json, platform, sys, torch
+import json, platform, sys, tomllib, torch
 from importlib.metadata import version
+import datasets, omegaconf, transformers  # a carried wheel that cannot import fails here, not in a stage
 import eagle_train
 v = {n: version(n) for n in ("torch", "transformers", "accelerate", "datasets", "omegaconf", "tokenizers",
-                             "huggingface_hub", "safetensors", "numpy")}
+                             "huggingface_hub", "safetensors", "pyarrow", "fsspec", "numpy")}
+declared = tomllib.loads(open(sys.argv[1]).read())["project"]["dependencies"]  # the checkout's pyproject.toml
 cuda = torch.cuda.is_available()
 print(json.dumps({"python": platform.python_version(), "versions": v, "eagle_train": eagle_train.__file__,
-                  "outside_declared_ranges": eagle_train.version_problems(eagle_train.declared_requirements(),
-                                                                            eagle_train._installed),
+                  "outside_declared_ranges": eagle_train.version_problems(declared, eagle_train._installed),
                   "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
                   "cuda": torch.version.cuda if cuda else None, "cpu_threads": torch.get_num_threads(),
                   "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None}))
@@ -233,13 +235,13 @@ def dump_with_stats(argv) -> int:
     return run_stage("dump", go, [])
 
 
-def stage(name: str, cmd: list, env: dict, log: Path, timeout: int) -> dict:
+def stage(name: str, cmd: list, env: dict, log: Path, timeout: int, cwd: Path) -> dict:
     """Run one stage's process, its output both on the console and in `log`; (rc, seconds). Killed after
     `timeout` seconds, so a stuck stage still leaves time for the summary."""
     print(f"\n[gpu_check] === {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(timeout, proc.kill)
         watchdog.start()
         for line in proc.stdout:
@@ -332,9 +334,9 @@ def summary(info: dict, sizes: dict, target: dict, stages: list, fig: dict, bad:
     return "\n".join(lines) + "\n"
 
 
-def last_json(cmd: list, env: dict) -> dict:
+def last_json(cmd: list, env: dict, cwd: Path) -> dict:
     """The JSON line a helper process prints last; its stderr and a clear exit when it fails."""
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
         sys.exit(f"gpu_check run: `{' '.join(cmd[1:3])} ...` failed (exit {proc.returncode}), output above")
@@ -368,7 +370,7 @@ def write_summary(work: Path, out, info, sizes, target, stages, recipe):
 def run(args) -> int:
     sizes = SIZES["tiny" if args.tiny else "gpu"]
     carry = Path(args.carry).resolve()
-    work = WORK
+    work, t0 = WORK, time.perf_counter()
     wheels = carried_wheels(carry) if args.packages == "carried" else None
     if work.exists():  # ours alone: every run starts clean (the dump refuses a folder of another run)
         shutil.rmtree(work)
@@ -381,12 +383,15 @@ def run(args) -> int:
     else:
         install_carried(wheels, work, env)
         inputs = carry
+    # every process runs in `work`, not the checkout: `python -m` puts its folder first on sys.path, and the
+    # checkout's eagle_train/ (without data_prep/ and eval/ inside) would shadow the laid-out copy in work/site
     py = sys.executable
-    info = last_json([py, "-c", PROBE], env)
+    info = last_json([py, "-c", PROBE, str(ROOT / "pyproject.toml")], env, work)
     print(f"[gpu_check] {json.dumps(info)}")
     if args.device.startswith("cuda") and info["cuda"] is None:
         sys.exit("gpu_check run: torch sees no CUDA device here; use --device cpu --tiny for a CPU run")
-    target = last_json([py, __file__, "_target", str(inputs / "tokenizer"), str(work / "target"), json.dumps(sizes)], env)
+    target = last_json([py, __file__, "_target", str(inputs / "tokenizer"), str(work / "target"), json.dumps(sizes)],
+                       env, work)
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.format(work=work, inputs=inputs, device=args.device, warmup=max(1, sizes["steps"] // 10),
                                     **{k: v for k, v in sizes.items()}))
@@ -398,9 +403,9 @@ def run(args) -> int:
             ("deploy", cli + ["deploy", str(recipe)]),
             ("export", cli + ["export", str(recipe)]),
             ("check", cli + ["check", str(recipe)])]
-    stages, bad = [], []
+    stages = [{"stage": "setup (wheels, probe, target)", "rc": 0, "seconds": round(time.perf_counter() - t0, 1)}]
     for name, cmd in plan:
-        stages.append(stage(name, cmd, env, work / "logs" / f"{name}.log", sizes["stage_timeout"]))
+        stages.append(stage(name, cmd, env, work / "logs" / f"{name}.log", sizes["stage_timeout"], work))
         # after every stage: a run killed at the device's time limit still returns what it measured
         md, bad = write_summary(work, args.out, info, sizes, target, stages, recipe)
         if stages[-1]["rc"] != 0:
