@@ -305,10 +305,11 @@ def tree_mask(parents: List[int], depths: List[int], past_len: int, dtype=torch.
     return mask[None, None].to(device), pos[None].to(device)
 
 
-def target_forward(model, input_ids, cache, aux_layers, position_ids=None, attention_mask=None):
-    """Target logits (n, V) fp32 and the head's features (n, F) for each input token."""
+def target_forward(model, input_ids, cache, aux_layers, position_ids=None, attention_mask=None, logits_to_keep=0):
+    """Target logits (n, V) fp32 (the last `logits_to_keep` only, when > 0: a prefill needs one row, as in
+    `generate`) and the head's features (n, F) for each input token."""
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                cache=cache, use_cache=True, output_hidden_states=True)
+                cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
     hs = out.hidden_states
     feats = torch.cat([hs[i] for i in aux_layers], dim=-1) if aux_layers else hs[-1]
     return out.logits[0].float(), feats[0]
@@ -396,7 +397,7 @@ def check_supported(model, input_ids: torch.Tensor, cfg: SpecConfig) -> None:
     tree mask and `commit_cache` assume every position stays visible)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one sequence at a time (input_ids of shape (1, L)), got "
-                         f"{tuple(input_ids.shape)}; batch > 1 is not supported: loop over the prompts")
+                         f"{tuple(input_ids.shape)}; for a batch use eagle_train.batch_decoding.batched_speculative_generate")
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in ATTENTION_OK:
         raise ValueError(f"target attn_implementation = {impl!r} ignores the tree attention mask; load the target "
@@ -432,7 +433,7 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     aux = head_aux_layers(head)
     cache = DynamicCache()
     ids = input_ids.to(dev)
-    logits, feats = target_forward(model, ids, cache, aux)
+    logits, feats = target_forward(model, ids, cache, aux, logits_to_keep=1)
     root = (int(logits[-1].argmax()) if greedy
             else sample(target_probs(logits[-1], cfg.temperature, cfg.top_p, cfg.top_k), generator))
     tokens, done = _finish([root], cfg.max_new_tokens, eos_token_id)

@@ -200,7 +200,7 @@ def test_refuses_batches_flash_kernels_and_sliding_windows():
     model = make_tiny_llama(vocab_size=64, layers=2, hidden=32, seed=3)
     head = OracleHead(list(range(40)), 64)
     cfg = SpecConfig(tree="chain", depth=3, max_new_tokens=6)
-    with pytest.raises(ValueError, match="batch > 1"):
+    with pytest.raises(ValueError, match="batched_speculative_generate"):
         speculative_generate(model, head, torch.tensor([[1, 5, 9], [1, 5, 9]]), cfg)
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"), device="cpu")
     with pytest.raises(ValueError, match="flash_attention_2.*sdpa"):
