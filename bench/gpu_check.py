@@ -152,7 +152,7 @@ def prepare(args) -> int:
     print("[gpu_check] on the device machine, one call of the `run` tool:\n"
           f'  command:   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py run --carry {rel} --out "$OUT"\n'
           f'  carry:     ["{rel}"]\n'
-          "  timeout_s: 480   (the check takes ~3-5 min; the 15-minute budget leaves room for one rerun)")
+          "  timeout_s: 420   (the check should take 3-5 min; a stage past 240 s is killed and the summary still written)")
     return 0
 
 
