@@ -1,24 +1,25 @@
 """GPU check: the whole pipeline (prep, dump, train, eval, deploy, export, check) on a GPU in a few minutes.
 
     python bench/gpu_check.py prepare                  # here, on the dev box: fills .cache/gpu_carry/
-    python3 bench/gpu_check.py run --out $OUT          # on the GPU machine (the exact `run` call is printed by prepare)
+    python3 bench/gpu_check.py run --out $OUT          # on the GPU machine (prepare prints the whole `run` call)
     python bench/gpu_check.py run --device cpu --tiny  # here: every stage at toy sizes with this venv's packages
 
 The embedded SmolLM2 target cannot travel (its GGUF is 94 MB, the device machine takes 64 MiB with the
 working tree), so the target is a random Llama built on the GPU machine from a config (hidden 512, 8
 layers) with SmolLM2's tokenizer and chat template: its figures measure the pipeline on the GPU (dump and
-training tokens/s, the deploy table's shape), not SmolLM2's acceptance. The device image
-(/opt/torch/.venv, CPython 3.12, torch 2.11, transformers 5.17, accelerate, no deepspeed/datasets/
-omegaconf, no network) gets this venv's versions of the missing or older libraries as wheels (WHEELS);
-torch stays the image's 2.11, below the declared range, so the run sets EAGLE_TRAIN_SKIP_VERSION_CHECK=1
-and the summary lists the versions outside the ranges. `run` fails at once, naming the fix, when the
-carried wheels were made for another Python than the one running it.
+training tokens/s, the deploy table's shape), not SmolLM2's acceptance. The device image (/opt/torch/.venv,
+CPython 3.12, torch 2.11, transformers 5.17, accelerate; no deepspeed, datasets, omegaconf, network) gets
+this venv's versions of the missing or older libraries as wheels (WHEELS), pip-installed offline into
+outputs/gpu_check/site beside a copy of the package (no build step). torch stays the image's 2.11, below
+the declared range, so the run sets EAGLE_TRAIN_SKIP_VERSION_CHECK=1 and the summary lists the versions
+outside the ranges. `run` fails at once, naming the fix, when the carried wheels were made for another
+Python than the one running it.
 
 Each stage runs in its own process through the project's CLI (`python -m eagle_train.cli <stage>`),
 except the dump, which runs the same `dump.main` through a two-line wrapper (`_dump`) because the CLI
 drops the throughput it returns. Training tokens/s comes from `curve.jsonl` between its first and last
-evaluation (compilation and warm-up excluded). Writes outputs/gpu_check/ (the only place in the tree it
-touches) and, with --out, gpu_check.md / gpu_check.json / report.md / deploy.md / deploy_speedup.png /
+evaluation (compilation and warm-up excluded). `run` writes outputs/gpu_check/ (the only place in the
+tree it touches) and, with --out, gpu_check.md / gpu_check.json / report.md / deploy.md / deploy_speedup.png /
 logs.txt there. Exits 1 when a stage fails or greedy output differs from plain decoding.
 """
 
