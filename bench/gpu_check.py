@@ -153,7 +153,7 @@ def prepare(args) -> int:
     print("[gpu_check] on the device machine, one call of the `run` tool:\n"
           f'  command:   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py run --carry {rel} --out "$OUT"\n'
           f'  carry:     ["{rel}"]\n'
-          "  timeout_s: 420   (the check should take 3-5 min; a stage past 240 s is killed and the summary still written)")
+          "  timeout_s: 420   (the check should take 3-5 min; a stage past 240 s is killed, the summary still written)")
     return 0
 
 
@@ -275,7 +275,8 @@ def figures(work: Path) -> dict:
     train_state = read_json(run / "train" / "final" / "train_state.json") or {}
     report = read_json(run / "eval" / "report.json") or {}
     deploy = read_json(run / "eval" / "deploy.json") or {}
-    return {"prep": read_json(run / "data" / "stats.json"), "dump": dump, "train": train_rate(run / "train" / "curve.jsonl"),
+    return {"prep": read_json(run / "data" / "stats.json"), "dump": dump,
+            "train": train_rate(run / "train" / "curve.jsonl"),
             "train_metrics": train_state.get("metrics"), "eval": report.get("results"), "deploy": deploy}
 
 
@@ -329,7 +330,8 @@ def summary(info: dict, sizes: dict, target: dict, stages: list, fig: dict, bad:
                   "draft / verify share | rows differing |", "|---|---|---|---|---|---|---|---|---|"]
         for r in dep["rows"]:
             g, h, sp = r["generate"], r["head"], r["head_time_split"]
-            lines.append(f"| {r['batch_size']} | {r['speedup']:.2f}x | {g['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} | "
+            lines.append(f"| {r['batch_size']} | {r['speedup']:.2f}x | {g['tokens_per_s']:.1f} | "
+                         f"{h['tokens_per_s']:.1f} | "
                          f"{g['latency_mean_s']:.3f} | {h['latency_mean_s']:.3f} | {r['tau']:.2f} | "
                          f"{sp['draft']:.2f} / {sp['verify']:.2f} | {r['rows_differing']} |")
     return "\n".join(lines) + "\n"
