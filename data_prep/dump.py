@@ -50,17 +50,11 @@ from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
 from eagle_train.features import quantize_fp8, target_features
 from eagle_train.files import atomic_path
-from eagle_train.recipe import RecipeError, load_recipe, split_args
+from eagle_train.recipe import RecipeError
 from eagle_train.target import DTYPES, load_target, resolve_device
 
 # called as on_shard_written(folder, record) after each shard and its record are on disk (tests, monitors)
 on_shard_written = None
-
-
-def cli(argv: List[str]) -> int:
-    path, overrides = split_args(argv)
-    main(load_recipe(path, overrides))
-    return 0
 
 
 def main(cfg, model=None) -> Dict[str, dict]:
@@ -285,4 +279,4 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("dump", cli, sys.argv[1:]))
+    sys.exit(run_stage("dump", sys.argv[1:]))

@@ -161,22 +161,7 @@ def main(cfg) -> dict:
     return stats
 
 
-def cli(argv) -> int:
-    from eagle_train.recipe import load_recipe, split_args
-
-    path, overrides = split_args(list(argv))
-    if path is None:
-        print("usage: eagle-train prep recipe.yaml [key=value ...]", file=sys.stderr)
-        return 2
-    try:
-        main(load_recipe(path, overrides))
-    except ValueError as err:  # bad data or template: a message, not a traceback
-        print(f"eagle-train prep: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("prep", cli, sys.argv[1:]))
+    sys.exit(run_stage("prep", sys.argv[1:]))

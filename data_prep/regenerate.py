@@ -43,21 +43,12 @@ from eagle_train.data_prep.templates import render, special_ids
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text, refuse_orphan_pieces
-from eagle_train.recipe import RecipeError, load_recipe, split_args
+from eagle_train.recipe import RecipeError
 from eagle_train.target import load_target, resolve_device, target_id
 
 FORMAT = "eagle-train-regen/1"
 # called as on_shard_written(folder, index) after a shard and its record are on disk (tests, monitors)
 on_shard_written = None
-
-
-def cli(argv: List[str]) -> int:
-    path, overrides = split_args(argv)
-    if path is None or path in ("-h", "--help"):
-        print(__doc__)
-        return 0 if path else 2
-    main(load_recipe(path, overrides))
-    return 0
 
 
 def settings_of(cfg) -> dict:
@@ -323,4 +314,4 @@ def regenerated_source(cfg) -> str:
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("regen", cli, sys.argv[1:]))
+    sys.exit(run_stage("regen", sys.argv[1:]))

@@ -9,7 +9,6 @@ eagle_train/layout.py (the layout this module writes and checks, and that heads.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -25,7 +24,6 @@ from eagle_train.files import atomic_dir
 from eagle_train.heads import check_head_matches, head_provenance, load_head
 from eagle_train.layout import (ARCHITECTURES, EXPORT_KEY, config_head_type, engine_config, engine_state,
                                 expected_layout, hf_aux_layers, read_config, read_weights)
-from eagle_train.recipe import TargetConfig, load_recipe, split_args
 from eagle_train.target import DTYPES, load_target, resolve_model_path, target_weights, weights_digest
 
 # no sound head holds a weight this large (trained ones stay within ~100 even with the feature scale
@@ -315,26 +313,9 @@ def _report(folder, problems) -> int:
     return 0
 
 
-def cli(argv) -> int:
-    path, overrides = split_args(list(argv))
-    return main(load_recipe(path, overrides))
-
-
-def check_cli(argv) -> int:
-    """`eagle-train check <folder | recipe.yaml> [--target <model | recipe.yaml>] [key=value ...]`."""
-    ap = argparse.ArgumentParser(prog="eagle-train check", description=check_cli.__doc__)
-    ap.add_argument("folder", help="exported folder, or a recipe (checks its hub.export_dir against its target)")
-    ap.add_argument("--target", help="target model (hub id, folder, alias) or a recipe whose target to use")
-    args, overrides = ap.parse_known_args(list(argv))
-    folder, tcfg = Path(args.folder), None
-    if folder.suffix in (".yaml", ".yml"):
-        rcfg = load_recipe(folder, overrides)
-        folder, tcfg = Path(rcfg.hub.export_dir), rcfg.target
-    if args.target:
-        if args.target.endswith((".yaml", ".yml")):
-            tcfg = load_recipe(args.target, overrides).target
-        else:
-            tcfg = OmegaConf.structured(TargetConfig(model=args.target))
+def check(folder, tcfg=None) -> int:
+    """`eagle-train check`: 0 when the exported `folder` passes (against the target of the recipe
+    section `tcfg` when given), else 1 with every problem listed."""
     target_config = _target_config(tcfg) if tcfg is not None else None
     if tcfg is not None and target_config is None:
         print("[check] warning: checked without the target config", file=sys.stderr)
@@ -344,4 +325,4 @@ def check_cli(argv) -> int:
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("export", cli, sys.argv[1:]))
+    sys.exit(run_stage("export", sys.argv[1:]))

@@ -13,7 +13,6 @@ saved `hf auth login`); the token is passed to the client and never printed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -80,14 +79,12 @@ def _hub_failure(err, token) -> str:
     return f"{type(err).__name__}: {said}; {todo} (the files go in one commit: a failed push leaves no partial upload)"
 
 
-def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str | None = None,
-         delete_stale: bool = False) -> int:
+def main(cfg) -> int:
     from eagle_train.export import check_export
 
     hub = cfg.hub
-    dry_run, delete_stale = dry_run or hub.dry_run, delete_stale or hub.delete_stale
-    private = True if private else hub.private  # None: leave visibility to the owner's default
-    revision = revision or hub.revision
+    dry_run, delete_stale, revision = hub.dry_run, hub.delete_stale, hub.revision
+    private = hub.private  # None: leave visibility to the owner's default
     folder = Path(hub.export_dir)
     if not hub.repo_id:
         raise PushError("`hub.repo_id` is not set: add hub.repo_id=<you>/<repo> to the command or the recipe")
@@ -137,21 +134,7 @@ def main(cfg, dry_run: bool = False, private: bool | None = None, revision: str 
     return 0
 
 
-def cli(argv) -> int:
-    from eagle_train.recipe import load_recipe, split_args
-
-    ap = argparse.ArgumentParser(prog="eagle-train push", description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded")
-    ap.add_argument("--private", action="store_true",
-                    help="create the repo private (default: the owner's default visibility)")
-    ap.add_argument("--delete-stale", action="store_true", help="delete repo files the export no longer has")
-    ap.add_argument("--revision", help="branch to push to (created when missing)")
-    args, rest = ap.parse_known_args(list(argv))
-    path, overrides = split_args(rest)
-    return main(load_recipe(path, overrides), args.dry_run, args.private, args.revision, args.delete_stale)
-
-
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("push", cli, sys.argv[1:]))
+    sys.exit(run_stage("push", sys.argv[1:]))

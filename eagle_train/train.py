@@ -38,7 +38,6 @@ from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
 from eagle_train.head_init import init_weights, start_head, trained_head
 from eagle_train.heads import build_head, save_head
-from eagle_train.recipe import load_recipe, split_args
 from eagle_train.target import load_target, target_weights, weights_digest
 from eagle_train.ttt import DraftLoss
 
@@ -272,23 +271,10 @@ def _flat(d, prefix=""):
     return out
 
 
-def cli(argv=None) -> int:
-    path, overrides = split_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_recipe(path, overrides)
-    try:
-        main(cfg)
-    finally:
-        # tear the process group down before exit: a rank leaving with live gloo connections can
-        # abort its peer's background thread at interpreter shutdown
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("train", cli, sys.argv[1:]))
+    sys.exit(run_stage("train", sys.argv[1:]))

@@ -232,4 +232,4 @@ def cli(argv) -> int:
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
 
-    sys.exit(run_stage("deploy", cli, sys.argv[1:]))
+    sys.exit(run_stage("deploy", sys.argv[1:]))

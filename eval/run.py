@@ -582,5 +582,5 @@ if __name__ == "__main__":
 
     args = sys.argv[1:]
     if args and args[0] == "sweep":
-        sys.exit(run_stage("sweep", sweep_cli, args[1:]))
-    sys.exit(run_stage("eval", cli, args))
+        sys.exit(run_stage("sweep", args[1:]))
+    sys.exit(run_stage("eval", args))

@@ -80,7 +80,7 @@ def test_deploy_cli_smollm2(smollm2, tmp_path, monkeypatch):
     from eagle_train.heads import build_head, save_head
     from eagle_train.recipe import HeadConfig
 
-    assert STAGES["deploy"] == ("eagle_train.eval.deploy", "cli") and "eval.batch_sizes" in stage_help("deploy")
+    assert STAGES["deploy"] == ("eagle_train.eval.deploy", "main") and "eval.batch_sizes" in stage_help("deploy")
     model, _ = smollm2
     torch.manual_seed(0)
     head = build_head(OmegaConf.structured(HeadConfig(type="eagle3", draft_vocab_size=1024)), model.config)

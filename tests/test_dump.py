@@ -194,7 +194,7 @@ def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, capfd):
     out = tmp_path / "dump"
     driver = ("import os, signal, sys; from eagle_train.data_prep import dump; "
               "dump.on_shard_written = lambda folder, rec: os.kill(os.getpid(), signal.SIGKILL); "
-              "dump.cli(sys.argv[1:])")
+              "from eagle_train.cli import run_stage; run_stage('dump', sys.argv[1:])")
     proc = subprocess.run([sys.executable, "-c", driver, *overrides(tmp_path, mdir, *args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})

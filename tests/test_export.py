@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from conftest import MT_BENCH, make_tiny_llama
-from eagle_train import export, layout
+from eagle_train import cli, export, layout
 from eagle_train.heads import build_head, load_head, save_head
 from eagle_train.recipe import HeadConfig
 
@@ -210,10 +210,10 @@ def test_check_aux_off_by_one_and_vocab_maps(good_export, tiny_llama):
 
 def test_check_cli(good_export, tmp_path, tiny_llama, capsys):
     tiny_llama.config.save_pretrained(tmp_path / "target")
-    assert export.check_cli([str(good_export), "--target", str(tmp_path / "target")]) == 0
+    assert cli.run_stage("check", [str(good_export), "--target", str(tmp_path / "target")]) == 0
     assert "OK" in capsys.readouterr().out
     _edit(good_export, drop=["d2t"])
-    assert export.check_cli([str(good_export)]) == 1
+    assert cli.run_stage("check", [str(good_export)]) == 1
     assert "`d2t` is missing" in capsys.readouterr().err
 
 
@@ -295,7 +295,7 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
         assert torch.equal(a, b)
 
     # check by recipe: its export folder against its target
-    assert export.check_cli([str(recipe)]) == 0
+    assert cli.run_stage("check", [str(recipe)]) == 0
 
 
 def test_export_cli_without_head_names_train_command(tmp_path, tiny_llama, capsys):

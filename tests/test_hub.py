@@ -115,7 +115,7 @@ def no_token(monkeypatch):
 
 def test_dry_run_lists_files(recipe, exported, capsys, no_token, fake_hub):
     endpoint, server = fake_hub
-    assert hub.cli([recipe, "--dry-run", f"hub.endpoint={endpoint}"]) == 0
+    assert cli.run_stage("push", [recipe, "--dry-run", f"hub.endpoint={endpoint}"]) == 0
     out = capsys.readouterr().out
     assert "would upload 3 files" in out and "me/tiny-eagle3" in out
     for name in ("README.md", "config.json", "model.safetensors"):
@@ -153,7 +153,7 @@ def test_push_refuses_failing_export(recipe, exported, capsys, fake_hub, monkeyp
 def test_push_uploads_to_local_hub(recipe, exported, capsys, fake_hub, monkeypatch):
     endpoint, server = fake_hub
     monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
-    assert hub.cli([recipe, "--private", "--revision", "v1", f"hub.endpoint={endpoint}"]) == 0
+    assert cli.run_stage("push", [recipe, "--private", "--revision", "v1", f"hub.endpoint={endpoint}"]) == 0
     paths = [r["path"] for r in server.requests if r["method"] == "POST"]
     assert paths[0] == "/api/repos/create"
     assert "/api/models/me/tiny-eagle3/branch/v1" in paths
@@ -204,7 +204,7 @@ def test_push_leaves_visibility_to_the_owner_unless_asked(recipe, capsys, fake_h
     """Without --private no visibility is sent, so an organisation's private default holds."""
     endpoint, server = fake_hub
     monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
-    assert hub.cli([recipe, f"hub.endpoint={endpoint}"]) == 0
+    assert cli.run_stage("push", [recipe, f"hub.endpoint={endpoint}"]) == 0
     create = _create_payload(server)
     assert "visibility" not in create and "private" not in create
     assert "warning" not in capsys.readouterr().err
@@ -216,14 +216,14 @@ def test_private_on_an_existing_public_repo_warns_and_stale_files_are_listed_or_
     monkeypatch.setenv("EAGLE_TEST_TOKEN", SECRET)
     server.existing = {"private": False, "files": [".gitattributes", "README.md", "config.json", "model.safetensors",
                                                    "pytorch_model.bin"]}
-    assert hub.cli([recipe, "--private", f"hub.endpoint={endpoint}"]) == 0
+    assert cli.run_stage("push", [recipe, "--private", f"hub.endpoint={endpoint}"]) == 0
     err = capsys.readouterr().err
     assert "already exists and is public" in err and "--private does not change" in err
     assert "pytorch_model.bin" in err and "--delete-stale" in err
     assert not any(line["key"] == "deletedFile" for line in _commit_lines(server))
 
     server.requests = []
-    assert hub.cli([recipe, "--delete-stale", f"hub.endpoint={endpoint}"]) == 0
+    assert cli.run_stage("push", [recipe, "--delete-stale", f"hub.endpoint={endpoint}"]) == 0
     out, err = capsys.readouterr()
     deleted = [line["value"]["path"] for line in _commit_lines(server) if line["key"] == "deletedFile"]
     assert deleted == ["pytorch_model.bin"] and "deleted 1 stale" in out and "already exists" not in err

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT, SHAREGPT
 from eagle_train.data_prep import readers
-from eagle_train.data_prep.prepare import cli, main, split_indices
+from eagle_train.cli import run_stage
+from eagle_train.data_prep.prepare import main, split_indices
 from eagle_train.data_prep.readers import Skips, read_conversations
 from eagle_train.recipe import load_recipe
 
@@ -295,6 +296,6 @@ def test_cli_reports_errors(tmp_path, capsys):
     assert eagle_train(["prep", str(RECIPE), f"output_dir={tmp_path}", f"data.source={tmp_path / 'none.jsonl'}"]) == 2
     assert "file not found" in capsys.readouterr().err
     path = write_jsonl(tmp_path / "bad.jsonl", [BAD["unknown_role"]])
-    assert cli([str(RECIPE), f"output_dir={tmp_path}", f"data.source={path}"]) == 2
+    assert run_stage("prep", [str(RECIPE), f"output_dir={tmp_path}", f"data.source={path}"]) == 2
     assert "no usable conversation" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()

@@ -117,7 +117,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path, smollm2_tokenizer):
 
     driver = ("import os, signal, sys; from eagle_train.data_prep import regenerate; "
               "regenerate.on_shard_written = lambda folder, i: os.kill(os.getpid(), signal.SIGKILL); "
-              "regenerate.cli(sys.argv[1:])")
+              "from eagle_train.cli import run_stage; run_stage('regen', sys.argv[1:])")
     cfg_args = [f"output_dir={tmp_path}/run", *common]
     recipe = tmp_path / "r.yaml"
     recipe.write_text("target:\n  model: x\ndata:\n  source: x\n")
