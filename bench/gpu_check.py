@@ -365,7 +365,8 @@ def write_summary(work: Path, out, info, sizes, target, stages, recipe):
         # every stage's log, each cut to its last 20k characters (a file over 16 MiB would not come back)
         with open(out / "logs.txt", "w") as f:
             for s in stages:
-                text = (work / "logs" / f"{s['stage']}.log").read_text(errors="replace")
+                log = work / "logs" / f"{s['stage']}.log"  # setup has none: its helpers' errors stop the run
+                text = log.read_text(errors="replace") if log.is_file() else ""
                 f.write(f"===== {s['stage']} (exit {s['rc']}, {s['seconds']} s)\n{text[-20000:]}\n")
     return md, bad
 
