@@ -38,6 +38,8 @@ from typing import Callable, List, Optional
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from eagle_train.features import aux_features
+
 
 @dataclass
 class SpecConfig:
@@ -311,7 +313,7 @@ def target_forward(model, input_ids, cache, aux_layers, position_ids=None, atten
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
     hs = out.hidden_states
-    feats = torch.cat([hs[i] for i in aux_layers], dim=-1) if aux_layers else hs[-1]
+    feats = aux_features(hs, aux_layers) if aux_layers else hs[-1]
     return out.logits[0].float(), feats[0]
 
 

@@ -33,7 +33,7 @@ from eagle_train.decoding import SpecConfig, _finish, plain_generation_config, t
 from eagle_train.files import atomic_write_text
 from eagle_train.recipe import RecipeError
 from eagle_train.eval.report import _atomic_fig, plt
-from eagle_train.eval.run import (_run, busy_warning, check_eval_section, dtype_name, load_average, load_prompts,
+from eagle_train.eval.run import (busy_warning, check_eval_section, dtype_name, load_average, load_prompts,
                                   machine, render, resolve_benchmark, setup)
 
 WARM_TOKENS = 4  # each method's first call at a batch size pays one-off costs: not timed
@@ -223,10 +223,6 @@ def main(cfg) -> Path:
               f"{r['generate']['tokens_per_s']:.1f} tok/s), tau {r['tau']:.2f}")
     print(f"[deploy] {rep['advice']}")
     return out
-
-
-def cli(argv) -> int:
-    return _run(main, argv)
 
 
 if __name__ == "__main__":

@@ -117,33 +117,31 @@ def plot_report(rep: dict, out: Path) -> None:
     results = rep["results"]
     fig, ax = plt.subplots(figsize=(6, 4))
     _grouped_bars(ax, results, lambda r: [n / max(1, sum(r["accept_hist"])) for n in r["accept_hist"]])
-    ax.set_xlabel("accepted drafted tokens per target pass")
-    ax.set_ylabel("fraction of target passes")
-    ax.set_title("Accepted length histogram")
-    ax.legend()
-    _atomic_fig(fig, out / "accept_hist.png")
+    _save_plot(fig, ax, "accepted drafted tokens per target pass", "fraction of target passes",
+               "Accepted length histogram", out / "accept_hist.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     cats = sorted({c for r in results for c in r["per_category"]})
     _grouped_bars(ax, results, lambda r: [r["per_category"].get(c, {}).get("tau", 0.0) for c in cats])
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
-    ax.set_xlabel("category")
-    ax.set_ylabel("tau (tokens per target pass)")
-    ax.set_title("tau per category")
-    ax.legend()
-    _atomic_fig(fig, out / "tau_by_category.png")
+    _save_plot(fig, ax, "category", "tau (tokens per target pass)", "tau per category", out / "tau_by_category.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         ys = [float("nan") if a is None else a for a in r["accept_by_depth"]]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=_label(r))
-    ax.set_xlabel("draft depth")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("acceptance rate (given the parent was accepted)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance by depth")
+    _save_plot(fig, ax, "draft depth", "acceptance rate (given the parent was accepted)", "Acceptance by depth",
+               out / "accept_by_depth.png")
+
+
+def _save_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
-    _atomic_fig(fig, out / "accept_by_depth.png")
+    _atomic_fig(fig, path)
 
 
 def write_report(rep: dict, out_dir) -> Path:

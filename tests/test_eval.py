@@ -17,6 +17,7 @@ from eagle_train.heads import build_head, save_head
 from eagle_train.recipe import HeadConfig, load_recipe
 from eagle_train.eval import report as report_mod
 from eagle_train.eval import run
+from eagle_train.cli import run_stage
 
 RECIPE = "recipes/smollm2-135m-eagle3.yaml"
 
@@ -95,7 +96,7 @@ def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch
     names = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]
     argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", f"eval.benchmarks=[{','.join(names)}]",
             f"eval.benchmark_dir={shared_data / 'eagle_eval'}", *EVAL_ARGS]
-    assert run.cli(argv) == 0
+    assert run_stage("eval", argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert set(rep) >= {"target", "head", "machine", "date", "settings", "results", "records", "load_average"}
     assert rep["complete"] and len(rep["load_average"]["start"]) == 3
@@ -142,7 +143,7 @@ def test_finished_benchmarks_survive_a_later_failure(smollm2, head_dir, tmp_path
             f"eval.benchmark_dir={shared_data / 'eagle_eval'}", *EVAL_ARGS[:2], "eval.temperatures=[0.0]",
             "eval.prompt_lookup_num_tokens=[]"]
     with pytest.raises(RuntimeError, match="disk gone"):
-        run.cli(argv)
+        run_stage("eval", argv)
     rep = json.loads((out / "report.json").read_text())
     assert [r["benchmark"] for r in rep["results"]] == ["mt_bench"] and rep["complete"] is False
     assert "incomplete" in (out / "report.md").read_text()
@@ -150,7 +151,7 @@ def test_finished_benchmarks_survive_a_later_failure(smollm2, head_dir, tmp_path
 
 def test_unresolvable_benchmark_fails_before_decoding(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: pytest.fail("loaded the target first"))
-    assert run.cli([RECIPE, f"eval.output={tmp_path}", "eval.benchmarks=[mt_bench,sum,nope.jsonl]"]) == 2
+    assert run_stage("eval", [RECIPE, f"eval.output={tmp_path}", "eval.benchmarks=[mt_bench,sum,nope.jsonl]"]) == 2
     err = capsys.readouterr().err
     assert "`sum`" in err and "eval.benchmark_dir" in err and "'nope.jsonl'" in err
 
@@ -164,7 +165,7 @@ def test_eval_reads_an_exported_head_and_refuses_another_targets(smollm2, head_d
     out = tmp_path / "eval"
     argv = [RECIPE, f"eval.head={exported}", f"eval.output={out}", *EVAL_ARGS[:2], "eval.temperatures=[0.0]",
             "eval.prompt_lookup_num_tokens=[]", "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=3"]
-    assert run.cli(argv) == 0
+    assert run_stage("eval", argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["results"][0]["greedy_mismatches"] == 0 and rep["head"] == str(exported)
 
@@ -173,7 +174,7 @@ def test_eval_reads_an_exported_head_and_refuses_another_targets(smollm2, head_d
     wrong = build_head(OmegaConf.structured(HeadConfig(type="eagle3", draft_vocab_size=256)), other.config)
     wrong_dir = export_head(wrong, tmp_path / "wrong", dtype="float32")
     argv[1] = f"eval.head={wrong_dir}"
-    assert run.cli(argv) == 2
+    assert run_stage("eval", argv) == 2
     err = capsys.readouterr().err
     assert "another target" in err and "vocab_size 512 vs the target's 49152" in err and "hidden_size 576" in err
 
@@ -197,7 +198,7 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2", "eval.max_new_tokens=6",
             "eval.sweep_topk=[1,2]", "eval.sweep_depth=[2]", "eval.sweep_num_draft_tokens=[2,3,99]"]
-    assert run.sweep_cli(argv) == 0
+    assert run_stage("sweep", argv) == 0
     sw = json.loads((out / "sweep.json").read_text())
     # 99 nodes is capped at what a topk-2 depth-2 dynamic tree can draft: 2 + 2 * 2
     assert [(r["tree"], r["topk"], r["depth"], r["num_draft_tokens"]) for r in sw["results"]] == [
@@ -209,7 +210,7 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
 
 def test_missing_head_names_the_train_command(tmp_path, monkeypatch, smollm2):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
-    assert run.cli([RECIPE, f"eval.head={tmp_path / 'nope'}", f"eval.output={tmp_path}"]) == 2
+    assert run_stage("eval", [RECIPE, f"eval.head={tmp_path / 'nope'}", f"eval.output={tmp_path}"]) == 2
 
 
 def test_first_difference():
@@ -257,7 +258,7 @@ def test_bf16_eval_counts_mismatches_and_first_divergence(smollm2, head_dir, tmp
     argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.benchmarks=[mt_bench]", "eval.max_prompts=1",
             "eval.max_new_tokens=12", "eval.target_dtype=bfloat16", "eval.prompt_lookup_num_tokens=[]",
             "eval.topk=2", "eval.depth=2", "eval.num_draft_tokens=4"]
-    assert run.cli(argv) == 0
+    assert run_stage("eval", argv) == 0
     assert asked == ["bfloat16"]
     rep = json.loads((out / "report.json").read_text())
     assert rep["target_dtype"] == "bfloat16" and rep["threads"] >= 1
