@@ -12,7 +12,7 @@ HEAD ?= heads/smollm2-135m-instruct-eagle3
 DEMO ?= output_dir=outputs/demo data.max_conversations=120 data.max_length=384 head.init=$(HEAD) \
         train.max_steps=30 train.learning_rate=1e-4 train.warmup_steps=5 train.micro_batch_size=4 \
         train.eval_every=15 train.save_every=15 train.eval_batches=4 train.snapshots=false \
-        'eval.benchmarks=[mt_bench]' eval.max_prompts=3 eval.max_new_tokens=64
+        'eval.benchmarks=[mt_bench]' eval.max_prompts=3 eval.max_new_tokens=64 eval.target_dtype=float32
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
@@ -38,15 +38,21 @@ demo: install
 	$(BIN)/eagle-train export $(RECIPE) $(DEMO)
 	$(BIN)/eagle-train push   $(RECIPE) $(DEMO) --dry-run hub.repo_id=me/SmolLM2-135M-Instruct-EAGLE3
 
-# the full recipe from scratch (prep, dump, train, tree sweep, eval, export), each stage resumable: rerun
-# `make full` after an interruption and it goes on where it stopped. ~1.5-2 h on 2 CPU cores.
+# the full recipe from scratch (prep, dump, train, a second training phase with 5 TTT steps, tree sweep, eval,
+# export), each stage resumable: rerun `make full` after an interruption and it goes on where it stopped.
+# ~2.5 h on 2 CPU cores. The shipped head came from these two phases (bench/RESULTS.md).
+OUT ?= outputs/smollm2-135m-eagle3
+FULL ?= output_dir=$(OUT)
+P2 ?= train.output=$(OUT)/train-ttt5 head.init=$(OUT)/train/final train.ttt_steps=5 train.learning_rate=3e-4 \
+      train.warmup_steps=10 train.max_steps=200 eval.head=$(OUT)/train-ttt5/final
 full: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(BIN)/eagle-train dump   $(RECIPE) $(FULL)
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL)
-	$(BIN)/eagle-train eval   $(RECIPE) $(FULL)
-	$(BIN)/eagle-train export $(RECIPE) $(FULL)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(P2)
+	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(P2)
+	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(P2)
+	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(P2)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
