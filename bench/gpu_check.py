@@ -15,9 +15,9 @@ the declared range, so the run sets EAGLE_TRAIN_SKIP_VERSION_CHECK=1 and the sum
 outside the ranges. `run` fails at once, naming the fix, when the carried wheels were made for another
 Python than the one running it.
 
-Each stage runs in its own process through the project's CLI (`python -m eagle_train.cli <stage>`),
-except the dump, which runs the same `dump.main` through a two-line wrapper (`_dump`) because the CLI
-drops the throughput it returns. Training tokens/s comes from `curve.jsonl` between its first and last
+Each stage runs in its own process through the project's CLI (`python -m eagle_train.cli <stage>`);
+the dump runs as `cli.main(["dump", recipe])` in a wrapper (`_dump`) that keeps the throughput its
+`main` returns, which the CLI drops. Training tokens/s comes from `curve.jsonl` between its first and last
 evaluation (compilation and warm-up excluded). `run` writes outputs/gpu_check/ (the only place in the
 tree it touches) and, with --out, gpu_check.md / gpu_check.json / report.md / deploy.md / deploy_speedup.png /
 logs.txt there. Exits 1 when a stage fails or greedy output differs from plain decoding.
@@ -222,18 +222,21 @@ def build_target(tokenizer_dir: str, out: str, sizes_json: str) -> None:
 
 
 def dump_with_stats(argv) -> int:
-    """`_dump recipe stats.json`: the dump stage as the CLI runs it, its returned throughput written out."""
-    from eagle_train.cli import run_stage
+    """`_dump recipe stats.json`: `eagle-train dump recipe` itself, with the stats its `main` returns (and
+    the CLI drops) written out."""
+    from eagle_train import cli
     from eagle_train.data_prep import dump
-    from eagle_train.recipe import load_recipe
 
     recipe, stats = argv
+    stage_main = dump.main
 
-    def go(_):
-        Path(stats).write_text(json.dumps(dump.main(load_recipe(recipe))))
-        return 0
+    def main_keeping_stats(cfg, model=None):
+        out = stage_main(cfg, model)
+        Path(stats).write_text(json.dumps(out))
+        return out
 
-    return run_stage("dump", go, [])
+    dump.main = main_keeping_stats  # the CLI looks the stage's function up on its module at call time
+    return cli.main(["dump", recipe])
 
 
 def stage(name: str, cmd: list, env: dict, log: Path, timeout: int, cwd: Path) -> dict:
