@@ -81,11 +81,12 @@ def main(cfg) -> dict:
     """Run the stage for a loaded recipe; returns the stats written to stats.json."""
     import datasets
 
+    from eagle_train.recipe import output_folder
     from eagle_train.target import load_tokenizer, tokenizer_digest
 
     t0 = time.perf_counter()
     d = cfg.data
-    out = Path(d.output).expanduser()
+    out = output_folder(d.output, "data.output")
     tok = load_tokenizer(cfg.target)
     if not tok.is_fast:
         raise ValueError(f"target.model={cfg.target.model!r}: prep needs a fast tokenizer (offset mappings)")

@@ -62,14 +62,14 @@ def open_data(cfg, split):
             raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
         return FeatureDataset(folder), collate
-    from datasets import load_from_disk
+    from eagle_train.data_prep.dump import load_split  # the dump's reader: names a damaged file
 
     folder = Path(cfg.data.output) / split
     if not folder.is_dir():
         if split == "eval":
             return None
         raise FileNotFoundError(f"no prepared corpus at {folder} (data.output); create it with `eagle-train prep <recipe>`")
-    ds = load_from_disk(str(folder)).with_format(None)
+    ds = load_split(folder).with_format(None)
     return ds, pad_collate
 
 

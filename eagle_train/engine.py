@@ -155,6 +155,21 @@ def read_checkpoint(ckpt):
     return state
 
 
+# what a checkpoint was trained for (train_state.json "contract"); a resume under other values would
+# load weights of another shape or train a head whose config lies about its layers
+CONTRACT_KEYS = ("head_type", "aux_layers", "draft_vocab_size", "target_digest", "tokenizer_digest")
+
+
+def check_resume_contract(ckpt, state, now):
+    """Stop when the recipe differs from what the checkpoint recorded; keys it lacks (a checkpoint
+    from before they were recorded) or recorded as unknown are not compared."""
+    saved = state.get("contract") or {}
+    for key in CONTRACT_KEYS:
+        if saved.get(key) is not None and now.get(key) is not None and saved[key] != now[key]:
+            raise CheckpointError(f"{ckpt} was trained with {key} = {saved[key]!r} but this run has {now[key]!r}; "
+                                  "start over with train.resume=false or point train.output elsewhere")
+
+
 def max_abs(params) -> float:
     """Largest |w| over this rank's parameters (its partition under ZeRO-3); inf when any is non-finite."""
     m = 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,11 +20,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from eagle_train import model_card
-from eagle_train.errors import EagleError, HeadError
+from eagle_train.errors import EagleError, HeadError, TargetError
 from eagle_train.files import atomic_dir
 from eagle_train.heads import check_head_matches, head_provenance, load_head
 from eagle_train.layout import (ARCHITECTURES, EXPORT_KEY, config_head_type, engine_config, engine_state,
                                 expected_layout, hf_aux_layers, read_config, read_weights)
+from eagle_train.recipe import output_folder
 from eagle_train.target import DTYPES, load_target, resolve_model_path, target_weights, weights_digest
 
 # no sound head holds a weight this large (trained ones stay within ~100 even with the feature scale
@@ -267,13 +269,14 @@ def _target_digest(cfg):
 
 
 def main(cfg) -> int:
+    output_folder(cfg.hub.export_dir, "hub.export_dir")
     src = _head_dir(cfg)
     target = None
     if cfg.hub.include_embed_tokens:
         target, _ = load_target(cfg.target, with_tokenizer=False)
     head = load_head(src, target=target)
     info = read_config(src / "config.json")
-    made_for = head_provenance(src)
+    made_for = head_provenance(src, cfg)  # a head without its own tokenizer digest: its corpus' one
     digest = _target_digest(cfg)
     check_head_matches(head, made_for, cfg, digest, f"the head at {src}")
     recipe_yaml = OmegaConf.to_yaml(cfg)
@@ -283,6 +286,8 @@ def main(cfg) -> int:
         "source": str(src),
         "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
         "target_digest": made_for.get("target_digest") or digest,
+        # the text the head was trained on: eval refuses the export under another tokenizer/chat template
+        "tokenizer_digest": made_for.get("tokenizer_digest"),
     }
     # the trainer writes {"step", "metrics", ...} beside the head and into its config.json
     train_state = (_read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
@@ -318,8 +323,17 @@ def check(folder, tcfg=None) -> int:
     section `tcfg` when given), else 1 with every problem listed."""
     target_config = _target_config(tcfg) if tcfg is not None else None
     if tcfg is not None and target_config is None:
+        if _local_path(tcfg.model):  # asked for by path: checking without it would pass what it was meant to catch
+            raise TargetError(f"target {tcfg.model!r}: no such model folder or file (or it does not load); "
+                              "give the target's folder, or leave --target out")
         print("[check] warning: checked without the target config", file=sys.stderr)
     return _report(folder, check_export(folder, target_config))
+
+
+def _local_path(model: str) -> bool:
+    """A target given as a path (exists, absolute, ./ ~/, or deeper than a hub id's org/name)."""
+    path = Path(os.path.expanduser(model))
+    return path.exists() or model.startswith(("/", ".", "~")) or model.count("/") > 1 or path.suffix == ".gguf"
 
 
 if __name__ == "__main__":

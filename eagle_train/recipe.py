@@ -239,7 +239,7 @@ class EvalConfig:
     # folder holding <name>/question.jsonl for names no installed package ships (None: packages only)
     benchmark_dir: Optional[str] = None
     # prompts per benchmark (None: all)
-    max_prompts: Optional[int] = None
+    max_prompts: Optional[int] = spec(None, check="> 0")
     # new tokens generated per prompt (the same for speculative decoding and the baseline)
     max_new_tokens: int = spec(256, check="> 0")
     # temperatures to evaluate (0 = greedy)
@@ -261,15 +261,15 @@ class EvalConfig:
     # static tree as paths of child ranks, e.g. [[0], [1], [0, 0]]
     static_tree: Optional[List[List[int]]] = None
     # sweep grid; the sweep reports tau and speedup for each combination
-    sweep_topk: List[int] = field(default_factory=lambda: [1, 2, 4])
-    sweep_depth: List[int] = field(default_factory=lambda: [2, 3, 4, 6])
-    sweep_num_draft_tokens: List[int] = field(default_factory=lambda: [4, 8, 16])
+    sweep_topk: List[int] = spec(factory=lambda: [1, 2, 4], check="> 0")
+    sweep_depth: List[int] = spec(factory=lambda: [2, 3, 4, 6], check="> 0")
+    sweep_num_draft_tokens: List[int] = spec(factory=lambda: [4, 8, 16], check="> 0")
     # `eagle-train deploy`: batch sizes at which batched `generate` and the batched head are timed; the
     # report names the largest one the head still wins at ("use EAGLE up to batch N on this hardware")
-    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    batch_sizes: List[int] = spec(factory=lambda: [1, 2, 4, 8, 16], check="> 0")
     # `eagle-train deploy`: first-turn prompts cycled to fill every batch (None: eval.max_prompts, and
     # when that is None too, the largest batch size)
-    deploy_prompts: Optional[int] = None
+    deploy_prompts: Optional[int] = spec(None, check="> 0")
     # dtype the target decodes in (None: target.dtype), for the baseline and the head alike. bfloat16 on a
     # CPU with native bf16 makes a tree pass of <= 8 nodes cost about one token (bench/RESULTS.md), but a tree
     # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
@@ -456,6 +456,16 @@ def _missing_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
         v = cfg._get_node(k)
         if isinstance(v, DictConfig):
             out += _missing_keys(v, path + ".")
+    return out
+
+
+def output_folder(path, key: str) -> Path:
+    """An output folder the stage will write (replace) as a whole: refuse a path that is a file the
+    user keeps, before anything is done."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"`{key}` = {str(path)!r} is an existing file, not a folder; nothing was written. "
+                          f"Set {key} to a folder path (new or one this stage wrote)")
     return out
 
 

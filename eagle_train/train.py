@@ -30,14 +30,15 @@ from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
 from eagle_train.dump_reader import check_contract
-from eagle_train.engine import (LOSS_CAP, WEIGHT_GROWTH, check_weights, find_checkpoint, gather_from_ranks, gathered,
-                                last_sound, log_curve, lr_lambda, make_accelerator, max_abs, param_digest,
-                                read_checkpoint, save_checkpoint, shared_draft_vocab, trim_curve)
+from eagle_train.engine import (LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights, find_checkpoint,
+                                gather_from_ranks, gathered, last_sound, log_curve, lr_lambda, make_accelerator,
+                                max_abs, param_digest, read_checkpoint, save_checkpoint, shared_draft_vocab, trim_curve)
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
 from eagle_train.head_init import init_weights, start_head, trained_head
 from eagle_train.heads import build_head, save_head
+from eagle_train.recipe import RecipeError
 from eagle_train.target import load_target, target_weights, weights_digest
 from eagle_train.ttt import DraftLoss
 
@@ -70,6 +71,14 @@ def main(cfg, target=None, stop_after=None):
 
     torch.manual_seed(tc.seed)
     head = build_head(cfg.head, tconf)
+    # what this run trains for: recorded in every checkpoint and the final head, compared on resume
+    contract = {"head_type": head_type, "aux_layers": list(head.config.aux_layers) if head_type == "eagle3" else None,
+                "draft_vocab_size": cfg.head.draft_vocab_size if head_type == "eagle3" else None,
+                "target_digest": digest, "tokenizer_digest": tokenizer_digest(cfg, ds)}
+    ckpt = find_checkpoint(out) if tc.resume is not False else None  # None (auto): when there is one
+    saved = read_checkpoint(ckpt) if ckpt is not None else None
+    if saved is not None:  # before anything is counted or loaded for the recipe's head
+        check_resume_contract(ckpt, saved, contract)
     start = start_head(cfg.head.init, head)  # head.init = a head folder: fine-tune that head
     if head_type == "eagle3":  # the draft vocabulary: the start head's (part of what it learned), else counted
         head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None else shared_draft_vocab(
@@ -110,12 +119,11 @@ def main(cfg, target=None, stop_after=None):
 
     # resume
     micro, metrics, done = 0, {}, {"tokens": 0, "cpu_s": 0.0, "wall_s": 0.0}
-    ckpt = find_checkpoint(out) if tc.resume is not False else None  # None (auto): when there is one
     if tc.resume is True and ckpt is None:
         raise FileNotFoundError(f"train.resume=true but no checkpoint under {out}; use train.resume=auto to start over")
     bound = WEIGHT_GROWTH * max(1.0, max_abs(params))
     if ckpt is not None:
-        state = read_checkpoint(ckpt)
+        state = saved
         try:
             accelerator.load_state(str(ckpt))
         except Exception as err:  # truncated or foreign files in a checkpoint saved before digests were recorded
@@ -142,7 +150,8 @@ def main(cfg, target=None, stop_after=None):
     lengths = sample_lengths(ds) if tc.length_buckets else None
     per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes, 0, 0, 0))
     if per_epoch == 0:
-        raise ValueError(f"{len(ds)} training samples < train.micro_batch_size x processes; lower train.micro_batch_size")
+        raise RecipeError(f"`train.micro_batch_size` = {tc.micro_batch_size} x {accelerator.num_processes} "
+                          f"process(es) exceeds the {len(ds)} training samples; lower train.micro_batch_size")
 
     # ------------------------------------------------------------ the loop
     plan = {}  # epoch -> this rank's micro-batches
@@ -201,7 +210,7 @@ def main(cfg, target=None, stop_after=None):
             check_weights(accelerator, params, bound, step, out)
         if step % tc.save_every == 0 or step == tc.max_steps:
             save_checkpoint(accelerator, out, {"step": step, "micro_step": micro, "metrics": metrics, "progress": now,
-                                               "weight_bound": bound})
+                                               "weight_bound": bound, "contract": contract})
     bar.close()
     if stop_after is not None and step < tc.max_steps:
         accelerator.end_training()
@@ -219,7 +228,7 @@ def main(cfg, target=None, stop_after=None):
         # the saved weights are what the ranks trained: same digest as their (gathered) parameters
         info = {"step": step, "metrics": metrics, "rank_param_sha256": digests,
                 "saved_param_sha256": param_digest(state[k] for k, _ in named), "target": cfg.target.model,
-                "target_digest": digest,
+                "target_digest": digest, "tokenizer_digest": contract["tokenizer_digest"],
                 # what the model card reports: the settings this head was trained with
                 "train": {"mode": tc.mode, "storage": cfg.dump.storage if tc.mode == "offline" else None,
                           "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
@@ -232,6 +241,18 @@ def main(cfg, target=None, stop_after=None):
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"final": final, "metrics": metrics, "step": step, "rank_param_sha256": digests}
+
+
+def tokenizer_digest(cfg, ds):
+    """The tokenizer/chat-template digest of the training data: the dump's manifest (offline), else
+    the prepared corpus' stats.json; None when neither records one."""
+    manifest = getattr(ds, "manifest", None)
+    if cfg.train.mode == "offline" and isinstance(manifest, dict) and manifest.get("tokenizer_digest"):
+        return manifest["tokenizer_digest"]
+    try:
+        return json.loads((Path(cfg.data.output) / "stats.json").read_text()).get("tokenizer_digest")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def evaluate(model, accelerator, batches, targets):

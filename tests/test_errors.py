@@ -121,19 +121,24 @@ def offline(w, c, *extra):
     return ["train", str(w / "recipe.yaml"), f"train.output={c}/train", *extra]
 
 
-def damaged_dump(damage):
+def damaged_copy(name, key, damage, run):
+    """A copy of the world's `name` folder, damaged, given to `run` as `key`."""
     def build(w, c):
-        dump = copy(w, c, "dump")
-        damage(dump)
-        return offline(w, c, f"dump.output={dump}")
+        folder = copy(w, c, name)
+        damage(folder)
+        return run(w, c, f"{key}={folder}")
     return build
 
 
-def damaged_checkpoint(damage):
+def damaged_dump(damage):
+    return damaged_copy("dump", "dump.output", damage, offline)
+
+
+def damaged_checkpoint(damage, *extra):
     def build(w, c):
         out = copy(w, c, "train")
         damage(out / "checkpoint")
-        return ["train", str(w / "recipe.yaml"), f"train.output={out}", "train.max_steps=4"]
+        return ["train", str(w / "recipe.yaml"), f"train.output={out}", "train.max_steps=4", *extra]
     return build
 
 
@@ -475,6 +480,38 @@ CASES += [
 ]
 
 
+# ---------------------------------------------------------------- third round
+def resume_with(*extra):
+    """Resume the world's (intact) checkpoint under another recipe."""
+    return damaged_checkpoint(lambda k: None, *extra)
+
+
+def online_on_damaged(damage):
+    return damaged_copy("data", "data.output", damage, train_online)
+
+
+CASES += [
+    ("micro-batch-over-corpus", lambda w, c: train_online(w, c, "train.micro_batch_size=64"),
+     r"`train\.micro_batch_size` = 64 .* exceeds the \d+ training samples"),
+    ("resume-other-aux-layers", resume_with("train.mode=online", "head.aux_layers=[1,2,4]"),  # online: no dump check
+     r"aux_layers = \[2, 3, 3\] but this run has \[1, 2, 4\].*train\.resume=false"),
+    ("resume-other-draft-vocab", resume_with("head.draft_vocab_size=1000"),
+     r"draft_vocab_size = 49152 but this run has 1000"),
+    ("online-prepared-arrow-truncated", online_on_damaged(lambda d: truncate(first(d, "train/*.arrow"))),
+     r"prepared corpus .*train \(data\.output\) is damaged"),
+    ("sweep-topk-zero", lambda w, c: ["sweep", str(w / "recipe.yaml"), "eval.sweep_topk=[0]", f"eval.output={c}/eval"],
+     r"`eval\.sweep_topk` = \[0\] must be > 0"),
+    ("eval-max-prompts-zero", eval_as("eval.max_prompts=0"), r"`eval\.max_prompts` = 0 must be > 0"),
+    ("prep-output-is-a-file", output_is_a_file("prep", "data.output"), r"`data\.output` = '.*/f' is an existing file"),
+    ("export-output-is-a-file", output_is_a_file("export", "hub.export_dir"),
+     r"`hub\.export_dir` = '.*/f' is an existing file"),
+    ("check-target-missing", lambda w, c: ["check", str(w / "run/export"), "--target", str(c / "no-such-model")],
+     r"no-such-model"),
+    ("eval-export-other-chat-template", lambda w, c: other_chat_template(w, c) + [f"eval.head={w}/run/export"],
+     r"tokenizer/chat-template digest"),
+]
+
+
 @pytest.mark.parametrize("build,culprit", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line(world, tmp_path, capsys, monkeypatch, build, culprit):
     argv, env = build(world, tmp_path), {}
@@ -546,6 +583,11 @@ def test_artifacts_carry_their_contract(world):
     export = json.loads((world / "run/export/config.json").read_text())["eagle_train_export"]
     assert len(man["target_digest"]) == 16 and man["tokenizer_digest"] == stats["tokenizer_digest"]
     assert head["target_digest"] == man["target_digest"] == export["target_digest"]
+    # the tokenizer/chat template the head was trained with travels with it into the export
+    assert head["tokenizer_digest"] == stats["tokenizer_digest"] == export["tokenizer_digest"]
+    ckpt = json.loads((world / "run/train/checkpoint/train_state.json").read_text())
+    assert ckpt["contract"] == {"head_type": "eagle3", "aux_layers": [2, 3, 3], "draft_vocab_size": 49152,
+                                "target_digest": man["target_digest"], "tokenizer_digest": stats["tokenizer_digest"]}
     assert man["max_length"] == 96 and man["head_type"] == "eagle3" and man["aux_layers"] == [2, 3, 3]
 
 
