@@ -56,6 +56,10 @@ def main(cfg, target=None, stop_after=None):
     dev = accelerator.device
     ds, collate = open_data(cfg, "train")
     eval_data = open_data(cfg, "eval")
+    per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes, 0, 0, 0))
+    if per_epoch == 0:  # said before the target is loaded or anything is counted
+        raise RecipeError(f"`train.micro_batch_size` = {tc.micro_batch_size} x {accelerator.num_processes} "
+                          f"process(es) exceeds the {len(ds)} training samples; lower train.micro_batch_size")
     if head_type == "eagle1" and tc.mode == "offline" and cfg.dump.storage != "full":
         raise FileNotFoundError("head.type=eagle1 regresses the last hidden state: dump with dump.storage=full")
 
@@ -148,10 +152,6 @@ def main(cfg, target=None, stop_after=None):
                         for k, v in evaluate(model, accelerator, held_out, held_out_targets).items()})
         log_curve(accelerator, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
     lengths = sample_lengths(ds) if tc.length_buckets else None
-    per_epoch = len(batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes, 0, 0, 0))
-    if per_epoch == 0:
-        raise RecipeError(f"`train.micro_batch_size` = {tc.micro_batch_size} x {accelerator.num_processes} "
-                          f"process(es) exceeds the {len(ds)} training samples; lower train.micro_batch_size")
 
     # ------------------------------------------------------------ the loop
     plan = {}  # epoch -> this rank's micro-batches
