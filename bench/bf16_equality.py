@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
-from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate  # noqa: E402
+from eagle_train.baselines import vanilla_generate  # noqa: E402
+from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
 from eagle_train.eval.run import first_difference, load_prompts, render, resolve_benchmark  # noqa: E402
 
 SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]

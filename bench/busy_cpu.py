@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
-from eagle_train.decoding import SpecConfig, speculative_generate, timed, vanilla_generate  # noqa: E402
+from eagle_train.baselines import timed, vanilla_generate  # noqa: E402
+from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 
 HOG = "import torch\ntorch.set_num_threads(1)\na = torch.randn(768, 768)\nwhile True:\n    a @ a\n"

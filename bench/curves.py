@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
-from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate  # noqa: E402
+from eagle_train.baselines import vanilla_generate  # noqa: E402
+from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
 from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
 from eagle_train.eval.run import load_prompts, render  # noqa: E402

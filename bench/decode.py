@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
-from eagle_train.decoding import (SpecConfig, prompt_lookup_generate, speculative_generate, timed,  # noqa: E402
-                                  vanilla_generate)
+from eagle_train.baselines import prompt_lookup_generate, timed, vanilla_generate  # noqa: E402
+from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 
 SETTINGS = [

@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
-from eagle_train.decoding import (AcceptRule, SpecConfig, Tree, _clock, _finish, accept_greedy, accept_sample,
-                                  check_supported, head_aux_layers, head_dtype, rejection_rule, rerank, sample,
-                                  speculative_generate, static_paths, target_probs, to_target_ids)
+from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
+from eagle_train.decoding import (SpecConfig, Tree, _clock, _finish, check_supported, head_aux_layers, head_dtype,
+                                  rerank, speculative_generate, static_paths, to_target_ids)
 
 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Tree speculative decoding with an EAGLE draft head (EAGLE-1/2/3), greedy and sampled.
+"""Tree speculative decoding with an EAGLE draft head (EAGLE-1/2/3), greedy and sampled. The
+baselines it is measured against (plain `generate`, prompt lookup, `timed`) are in eagle_train.baselines.
 
 One step, as small functions over explicit state:
     draft_tree     the head grows a token tree below the root (the last emitted token)
     tree_mask      each tree node sees the committed cache, its ancestors and itself
     verify         one target forward over the whole tree (4D mask + tree position ids)
-    accept_greedy / accept_sample   walk the tree from the root
+    accept_greedy / accept_sample   walk the tree from the root (eagle_train.acceptance, with the
+                   target's sampling distribution and the rejection rule)
     commit_cache   keep only the accepted path in the target's KV cache (no re-prefill)
     head_update    re-run the head on the accepted path with the target's true features
 
@@ -33,11 +35,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
+from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
 from eagle_train.features import aux_features
 
 
@@ -86,60 +89,6 @@ class Tree:
             i = self.parents[i]
         return out[::-1]
 
-
-# ---------------------------------------------------------------------------------------------
-# probabilities and the acceptance rule
-
-
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """softmax(logits / T), restricted to the top_k tokens, then to the top-p nucleus of what is
-    left, renormalised: the order of transformers' temperature -> top-k -> top-p warpers, so the
-    speculative sampler draws from the same p as `generate(do_sample=True)`."""
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sp, idx = p.sort(descending=True)
-        drop = sp.cumsum(-1) - sp >= top_p  # keep the smallest prefix whose mass reaches top_p
-        sp[drop] = 0
-        p = torch.zeros_like(p).scatter_(-1, idx, sp)
-        p = p / p.sum()
-    return p
-
-
-def sample(p: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
-
-
-def rejection_rule(p: torch.Tensor, q: Optional[torch.Tensor], x: int, generator: torch.Generator):
-    """Multi-candidate speculative sampling (SpecInfer; EAGLE's evaluate_posterior), one candidate.
-
-    x was drawn from q. Accept with probability min(1, p(x) / q(x)). On reject the next target
-    is the residual p' = norm(max(0, p - q)), which the next sibling is tested against (its own q
-    given by the drafter; for candidates sampled without replacement that q is the previous one
-    with x removed and renormalised). If every sibling is rejected the token is sampled from the
-    final residual, so the emitted token is distributed exactly as p.
-    Our trees pick children deterministically (top-k), so q is one-hot on x (EAGLE's `qx = 1`):
-    accept with probability p(x); on reject p' = p with x removed, renormalised. Using the
-    draft softmax as q for top-k children would be biased.
-    Returns (accepted, p for the next sibling)."""
-    px = float(p[x])
-    qx = 1.0 if q is None else float(q[x])
-    u = float(torch.rand((), generator=generator, device=generator.device))
-    if u * qx < px:
-        return True, p
-    if q is None:
-        r = p.clone()
-        r[x] = 0
-    else:
-        r = (p - q).clamp_min(0)
-    s = r.sum()
-    return False, (r / s if s > 0 else p)
-
-
-AcceptRule = Callable[[torch.Tensor, Optional[torch.Tensor], int, torch.Generator], tuple]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,35 +273,6 @@ def verify(model, cache, tree: Tree, past_len: int, aux_layers):
     return target_forward(model, ids, cache, aux_layers, pos, mask)
 
 
-def accept_greedy(logits: torch.Tensor, tree: Tree):
-    """Follow the child equal to the target's argmax; returns (accepted path incl. root, bonus)."""
-    kids = tree.children()
-    best = logits.argmax(-1).tolist()
-    path = [0]
-    while True:
-        nxt = [c for c in kids[path[-1]] if tree.tokens[c] == best[path[-1]]]
-        if not nxt:
-            return path, best[path[-1]]
-        path.append(nxt[0])
-
-
-def accept_sample(logits: torch.Tensor, tree: Tree, temperature: float, top_p: float,
-                  generator: torch.Generator, rule: AcceptRule = rejection_rule, top_k: int = 0):
-    """At each node test its children in order with `rule` against the target's p (temperature,
-    top-k and top-p applied); the first accepted child becomes the node; if all are rejected the
-    bonus token is drawn from the residual."""
-    kids = tree.children()
-    path = [0]
-    while True:
-        p = target_probs(logits[path[-1]], temperature, top_p, top_k)
-        for c in kids[path[-1]]:
-            ok, p = rule(p, tree.qs[c], tree.tokens[c], generator)
-            if ok:
-                path.append(c)
-                break
-        else:
-            return path, sample(p, generator)
-
 
 def commit_cache(cache: DynamicCache, past_len: int, keep: torch.Tensor) -> None:
     """Keep positions [0, past_len) plus the tree entries `keep` (accepted path) in every layer."""
@@ -476,68 +396,7 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
         root = bonus
 
 
-def plain_generation_config(max_new_tokens: int, eos_token_id: Optional[int], temperature: float = 0.0,
-                            top_p: float = 1.0, top_k: int = 0, **extra) -> GenerationConfig:
-    """An explicit config for `generate` with every logits processor off except the sampler's own
-    temperature / top-k / top-p: a model's generation_config.json may carry repetition_penalty,
-    no_repeat_ngram_size, bad words, ..., which `generate` applies even when greedy, while the
-    speculative path is plain argmax (or plain sampling from `target_probs`). A fresh
-    GenerationConfig has them all off; passing it replaces the model's."""
-    sampled = temperature > 0
-    return GenerationConfig(
-        do_sample=sampled, max_new_tokens=max_new_tokens, min_new_tokens=0,
-        temperature=float(temperature) if sampled else None, top_p=top_p if sampled else None,
-        top_k=top_k if sampled else None, repetition_penalty=1.0, no_repeat_ngram_size=0,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0, **extra)
-
-
-@torch.no_grad()
-def vanilla_generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                     top_p: float = 1.0, eos_token_id: Optional[int] = None, top_k: int = 0,
-                     seed: Optional[int] = None) -> List[int]:
-    """The baseline, one loop at every temperature: `generate` with `plain_generation_config`
-    (argmax at T=0, else sampling with the same temperature / top-k / top-p). `generate` samples
-    from the global RNG, seeded here with `seed`."""
-    ids = input_ids.to(model.device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    gcfg = plain_generation_config(max_new_tokens, eos_token_id, temperature, top_p, top_k)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
-    return _finish(out[0, ids.shape[1]:].tolist(), max_new_tokens, eos_token_id)[0]
-
-
-@torch.no_grad()
-def prompt_lookup_generate(model, input_ids: torch.Tensor, max_new_tokens: int, num_tokens: int,
-                           temperature: float = 0.0, top_p: float = 1.0, eos_token_id: Optional[int] = None,
-                           top_k: int = 0, seed: Optional[int] = None):
-    """transformers' prompt lookup decoding (n-gram drafts copied from the context, verified by the
-    target), counting target forward passes. Returns (tokens, passes). Its first pass is the
-    prefill and already verifies a draft, so every pass counts: tau = tokens / passes."""
-    ids = input_ids.to(model.device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    calls = [0]
-    hook = model.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
-    try:
-        gcfg = plain_generation_config(max_new_tokens, eos_token_id, temperature, top_p, top_k,
-                                       prompt_lookup_num_tokens=num_tokens)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
-    finally:
-        hook.remove()
-    return _finish(out[0, ids.shape[1]:].tolist(), max_new_tokens, eos_token_id)[0], calls[0]
-
-
 def _clock() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def timed(fn, *args, **kw):
-    """(result, seconds), synchronising the accelerator so GPU timings are honest."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    out = fn(*args, **kw)
-    sync()
-    return out, time.perf_counter() - t0

@@ -29,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from eagle_train.batch_decoding import batched_speculative_generate
-from eagle_train.decoding import SpecConfig, _finish, plain_generation_config, timed
+from eagle_train.baselines import plain_generation_config, timed
+from eagle_train.decoding import SpecConfig, _finish
 from eagle_train.files import atomic_write_text
 from eagle_train.recipe import RecipeError
 from eagle_train.eval.report import _atomic_fig, plt

@@ -35,8 +35,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from eagle_train.decoding import (SpecConfig, max_tree_nodes, prompt_lookup_generate, speculative_generate,
-                                  static_paths, timed, vanilla_generate)
+from eagle_train.baselines import prompt_lookup_generate, timed, vanilla_generate
+from eagle_train.decoding import SpecConfig, max_tree_nodes, speculative_generate, static_paths
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, HeadError
 from eagle_train.heads import head_type

@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import MT_BENCH, make_tiny_llama
-from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate
+from eagle_train.baselines import vanilla_generate
+from eagle_train.decoding import SpecConfig, speculative_generate
 from eagle_train.heads import build_head
 from eagle_train.recipe import HeadConfig
 

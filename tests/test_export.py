@@ -347,7 +347,8 @@ def one_thread():
 
 
 def test_exported_smollm2_head_same_greedy_tau(tmp_path, smollm2, one_thread):
-    from eagle_train.decoding import SpecConfig, speculative_generate, vanilla_generate
+    from eagle_train.baselines import vanilla_generate
+    from eagle_train.decoding import SpecConfig, speculative_generate
 
     model, tok = smollm2
     questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines()[:5]]

@@ -12,7 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import make_tiny_llama
-from eagle_train.decoding import SpecConfig, rejection_rule, speculative_generate, target_probs
+from eagle_train.acceptance import rejection_rule, target_probs
+from eagle_train.decoding import SpecConfig, speculative_generate
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 
 V, N = 4, 400  # 64 joint cells; the gross wrong rule below fails with p ~ 1e-9 at this N
