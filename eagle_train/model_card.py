@@ -48,8 +48,10 @@ def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, st
 def chain_setting(setting: dict, report: dict | None, sweep: dict | None) -> tuple[int, str]:
     """(vLLM num_speculative_tokens, its label): vLLM drafts a chain, so the line carries the
     measured chain tau, never a tree's."""
+    # in float32 a mismatch is a decoder bug; in bf16/fp16 near-ties round differently and are only counted
+    exact = (sweep or {}).get("target_dtype", "float32") == "float32"
     chains = [r for r in (sweep or {}).get("results", []) if int(r.get("topk", 0)) == 1
-              and not r.get("greedy_mismatches")]
+              and not (exact and r.get("greedy_mismatches"))]
     if chains:
         c = max(chains, key=lambda r: r["speedup"])
         return int(c["depth"]), (f"the best chain the sweep measured: τ {c['tau']:.2f}, speedup "
@@ -163,7 +165,8 @@ def training_lines(head_type: str, train_state: dict) -> list:
         lines.append(f"- head: {head_type}, {run.get('mode')} training"
                      + (f" ({run['storage']} features)" if run.get("storage") else "")
                      + f", lr {run.get('learning_rate')}, {run.get('max_steps')} planned steps"
-                     + (f", TTT unroll {run.get('ttt_steps')}" if head_type == "eagle3" else ""))
+                     + (f", TTT unroll {run.get('ttt_steps')}" if head_type == "eagle3" else "")
+                     + (f", fine-tuned from the head `{run['init']}`" if run.get("init") not in (None, "none") else ""))
     if not data and not run:
         lines.append("- training settings: not recorded with the head (train writes them into <train.output>/final)")
     return lines

@@ -232,7 +232,8 @@ def main(cfg, target=None, stop_after=None):
                 # what the model card reports: the settings this head was trained with
                 "train": {"mode": tc.mode, "storage": cfg.dump.storage if tc.mode == "offline" else None,
                           "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
-                          "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm},
+                          "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
+                          "init": cfg.head.init},
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,
                          "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions}}
         save_head(head_out, final, extra={"train_state": info})
