@@ -87,7 +87,7 @@ def main():
     from eagle_train.data_prep import dump, prepare
     from datasets import load_from_disk
     from eagle_train.features import target_features
-    from eagle_train.recipe import load_recipe
+    from eagle_train.recipe_load import load_recipe
     from eagle_train.target import load_target
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-dump-"))

@@ -97,7 +97,7 @@ def run_stage(stage: str, argv) -> int:
 
 def load_args(argv):
     """`recipe.yaml key=value ...` -> the loaded recipe."""
-    from eagle_train.recipe import load_recipe, split_args
+    from eagle_train.recipe_load import load_recipe, split_args
 
     return load_recipe(*split_args(argv))
 
@@ -125,7 +125,8 @@ def check_args(argv) -> tuple:
 
     from omegaconf import OmegaConf
 
-    from eagle_train.recipe import TargetConfig, load_recipe
+    from eagle_train.recipe import TargetConfig
+    from eagle_train.recipe_load import load_recipe
 
     ap = argparse.ArgumentParser(prog="eagle-train check")
     ap.add_argument("folder")

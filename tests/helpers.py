@@ -6,7 +6,7 @@ from pathlib import Path
 
 from eagle_train import train
 from eagle_train.heads import load_head
-from eagle_train.recipe import load_recipe
+from eagle_train.recipe_load import load_recipe
 
 
 def write_corpus(samples, folder, eval_samples=None):

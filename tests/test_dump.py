@@ -18,7 +18,8 @@ from conftest import MT_BENCH, ROOT, make_tiny_llama
 from eagle_train.data_prep import dump
 from eagle_train.dump_reader import FeatureDataset, collate
 from eagle_train.features import FP8_MAX, target_features
-from eagle_train.recipe import RecipeError, load_recipe
+from eagle_train.recipe import RecipeError
+from eagle_train.recipe_load import load_recipe
 
 
 def write_corpus(folder: Path, samples, eval_samples=()):

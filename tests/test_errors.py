@@ -254,7 +254,7 @@ def regen_folder(w, c, *overrides, damage=None):
     """A complete regen output for the world recipe (what `eagle-train regen` leaves), then `damage`."""
     from eagle_train.data_prep.regenerate import settings_of
     from eagle_train.dump_reader import sha256_file
-    from eagle_train.recipe import load_recipe
+    from eagle_train.recipe_load import load_recipe
 
     out = c / "regen"
     (out / "progress").mkdir(parents=True)
@@ -539,7 +539,7 @@ def test_diverged_run_keeps_only_the_sound_checkpoint(world, tmp_path, monkeypat
     sound checkpoint, and the checkpoint left on disk holds finite, small weights."""
     from eagle_train import train
     from eagle_train.errors import TrainingDiverged
-    from eagle_train.recipe import load_recipe
+    from eagle_train.recipe_load import load_recipe
 
     real, calls = train.DraftLoss.forward, {"n": 0}
 

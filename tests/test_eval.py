@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 from conftest import make_tiny_llama
 from eagle_train.heads import build_head, save_head
-from eagle_train.recipe import HeadConfig, load_recipe
+from eagle_train.recipe import HeadConfig
+from eagle_train.recipe_load import load_recipe
 from eagle_train.eval import report as report_mod
 from eagle_train.eval import run
 from eagle_train.cli import run_stage

@@ -399,7 +399,7 @@ def test_card_serves_exactly_the_evaluated_tree():
     """SGLang's flags are the evaluated setting, capped by the decoder's own node-cap rule
     (topk + (depth-1) * topk^2 drafted nodes), tree type included; no static tree is offered."""
     from eagle_train import model_card
-    from eagle_train.recipe import load_recipe
+    from eagle_train.recipe_load import load_recipe
 
     cfg = load_recipe("recipes/smollm2-135m-eagle3.yaml")
     report = {"settings": {"tree": "dynamic", "topk": 4, "depth": 3, "num_draft_tokens": 48}}

@@ -14,7 +14,7 @@ from eagle_train.data_prep import readers
 from eagle_train.cli import run_stage
 from eagle_train.data_prep.prepare import main, split_indices
 from eagle_train.data_prep.readers import Skips, read_conversations
-from eagle_train.recipe import load_recipe
+from eagle_train.recipe_load import load_recipe
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
 

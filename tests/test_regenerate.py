@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from conftest import ROOT, SHAREGPT, make_tiny_llama
 from eagle_train.data_prep import regenerate
 from eagle_train.data_prep.templates import render
-from eagle_train.recipe import RecipeError, load_recipe
+from eagle_train.recipe import RecipeError
+from eagle_train.recipe_load import load_recipe
 
 
 def write_jsonl(path, records):

@@ -15,7 +15,7 @@ from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 from eagle_train.engine import shared_draft_vocab
 from eagle_train.errors import TrainingDiverged
 from eagle_train.heads import load_head
-from eagle_train.recipe import load_recipe
+from eagle_train.recipe_load import load_recipe
 from eagle_train.ttt import DraftLoss, shift, ttt_unroll
 from conftest import SHAREGPT, make_tiny_llama
 from helpers import write_corpus
