@@ -7,7 +7,7 @@ a shared box runs beside an eval) and each thread count, decodes the first turns
 prompts with `generate` and with the head, interleaved, and prints tokens/s and what each keeps of its
 quiet speed. A tree step is hundreds of small ops, each ending in a barrier for every thread: when a
 thread waits for a core that another process holds, the whole op waits. eval's `eval.threads=0` (auto)
-picks the cores the load average leaves idle; this table is why.
+picks the cores other work leaves idle; this table is why.
 """
 
 from __future__ import annotations

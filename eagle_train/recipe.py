@@ -272,7 +272,7 @@ class EvalConfig:
     # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
     # their first position; float32 must have none
     target_dtype: Optional[str] = spec(None, one_of=DTYPE_NAMES)
-    # CPU threads for decoding (0: auto = the cores the load average leaves idle, at least 1; the many
+    # CPU threads for decoding (0: auto = the cores other work leaves idle at start (/proc/stat), at least 1; the many
     # small ops of a tree step stall when threads outnumber free cores, see bench/RESULTS.md)
     threads: int = spec(0, check=">= 0")
     # sampling seed at temperature > 0 (each prompt reseeds from it, so runs compare prompt by prompt)

@@ -34,8 +34,8 @@ from eagle_train.decoding import SpecConfig, _finish
 from eagle_train.files import atomic_write_text
 from eagle_train.recipe import RecipeError
 from eagle_train.eval.report import _atomic_fig, plt
-from eagle_train.eval.run import (busy_warning, check_eval_section, dtype_name, load_average, load_prompts,
-                                  machine, render, resolve_benchmark, setup)
+from eagle_train.eval.run import (busy_warning, check_eval_section, dtype_name, load_at_start, load_average,
+                                  load_prompts, machine, render, resolve_benchmark, setup)
 
 WARM_TOKENS = 4  # each method's first call at a batch size pays one-off costs: not timed
 
@@ -214,7 +214,7 @@ def main(cfg) -> Path:
     model, tok, head, tid = setup(cfg)
     prompts = [render(tok, [{"role": "user", "content": t}])[0] for t in texts]
     scfg = SpecConfig.from_eval(ecfg, 0.0)
-    load = {"start": load_average()}
+    load = load_at_start()
     rows = measure(model, head, prompts, list(ecfg.batch_sizes), scfg, tok.eos_token_id, progress=True)
     load["end"] = load_average()
     rep = build_report(rows, model, scfg, len(prompts), load, target=tid, head=str(ecfg.head), machine=machine())

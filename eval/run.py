@@ -216,21 +216,45 @@ def load_average() -> List[float]:
         return []
 
 
+def busy_cores(window: float = 0.5):
+    """Cores busy right now (from /proc/stat over `window` seconds), None where there is no /proc/stat.
+    Unlike the 1-min load average it does not still count a stage that just finished."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(window)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1), 2)
+
+
+def load_at_start() -> dict:
+    """The load before this run adds its own: 1-min load average and the cores busy right now."""
+    return {"start": load_average(), "busy_cores": busy_cores()}
+
+
 def busy_warning(load: dict, threads: int):
     """A sentence when other work shared the CPU during the run (None on a quiet machine or a GPU): the
-    1-min load average at start, and at the end minus this run's own threads, above half the cores."""
+    cores busy at start (else the 1-min load average then), or the load average at the end minus this
+    run's own threads, above half the cores."""
     if torch.cuda.is_available() or not load.get("start"):
         return None
     cores = os.cpu_count() or 1
-    others = max(load["start"][0], (load.get("end") or [0])[0] - threads)
+    start = load["busy_cores"] if load.get("busy_cores") is not None else load["start"][0]
+    others = max(start, (load.get("end") or [0])[0] - threads)
     if others <= cores / 2:
         return None
-    return (f"the machine was busy (1-min load average {others:.1f} from other work on {cores} cores): speedups "
+    return (f"the machine was busy ({others:.1f} cores' worth of other work on {cores} cores): speedups "
             "measured now understate a quiet machine's; rerun on an idle machine for deployment figures")
 
 
 def decode_threads(requested: int) -> int:
-    """Threads for decoding: `requested`, or (0) the cores the 1-min load average leaves idle, at least 1.
+    """Threads for decoding: `requested`, or (0) the cores other work leaves idle right now, at least 1.
     A tree step is hundreds of small ops, each a barrier for every thread: one thread waiting for a core
     that another process holds stalls them all (on this 2-core box, 2 threads under load decoded 10x slower
     than 1)."""
@@ -239,7 +263,8 @@ def decode_threads(requested: int) -> int:
     if torch.cuda.is_available():
         return torch.get_num_threads()
     cores = os.cpu_count() or 1
-    idle = cores - (load_average() or [0.0])[0]
+    busy = busy_cores()
+    idle = cores - (busy if busy is not None else (load_average() or [0.0])[0])
     return max(1, min(torch.get_num_threads(), cores, int(idle + 0.5)))
 
 
@@ -335,12 +360,12 @@ def main(cfg) -> Path:
     if problems:
         raise CorpusError("\n  ".join(problems))
     torch.manual_seed(ecfg.seed)
-    load_start = load_average()  # before loading: our own work is not in it yet
+    load_start = load_at_start()  # before loading: our own work is not in it yet
     model, tok, head, tid = setup(cfg)
     methods = method_names(ecfg.prompt_lookup_num_tokens)
     rep = {"target": tid, "head": str(ecfg.head), "head_type": head_type(head),
            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "target_dtype": dtype_name(model),
-           "threads": torch.get_num_threads(), "load_average": {"start": load_start},
+           "threads": torch.get_num_threads(), "load_average": load_start,
            "settings": {"tree": ecfg.tree, "topk": ecfg.topk, "depth": ecfg.depth,
                         "num_draft_tokens": ecfg.num_draft_tokens, "max_new_tokens": ecfg.max_new_tokens,
                         "static_tree": [list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,

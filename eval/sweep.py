@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from eagle_train.decoding import SpecConfig, max_tree_nodes
 from eagle_train.eval.report import write_sweep
-from eagle_train.eval.run import (benchmark_label, busy_warning, check_eval_section, dtype_name, load_average,
-                                  load_prompts, machine, render, resolve_benchmark, run_method, setup)
+from eagle_train.eval.run import (benchmark_label, busy_warning, check_eval_section, dtype_name, load_at_start,
+                                  load_average, load_prompts, machine, render, resolve_benchmark, run_method, setup)
 
 
 def sweep_settings(ecfg) -> List[dict]:
@@ -45,7 +45,7 @@ def sweep_main(cfg) -> Path:
     paths = [resolve_benchmark(b, ecfg.benchmark_dir) for b in ecfg.benchmarks]
     prompts = [p for path in paths for p in load_prompts(path, ecfg.max_prompts)]
     torch.manual_seed(ecfg.seed)
-    load_start = load_average()
+    load = load_at_start()
     model, tok, head, tid = setup(cfg)
     temp = float(ecfg.temperatures[0])
     settings = sweep_settings(ecfg)
@@ -85,7 +85,7 @@ def sweep_main(cfg) -> Path:
     if not lossless:
         raise RuntimeError("every sweep setting's greedy output differs from the baseline: a decoder bug")
     best = max(lossless, key=lambda r: r["speedup"])
-    load = {"start": load_start, "end": load_average()}
+    load["end"] = load_average()
     sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load,
              "target_dtype": dtype_name(model), "threads": torch.get_num_threads(),
              "busy": busy_warning(load, torch.get_num_threads()),

@@ -225,12 +225,19 @@ def test_decode_threads_and_busy_warning(monkeypatch):
     monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(run.torch, "get_num_threads", lambda: 2)
     assert run.decode_threads(3) == 3  # asked for: taken as is
+    monkeypatch.setattr(run, "busy_cores", lambda: None)  # no /proc/stat: the 1-min load average decides
     monkeypatch.setattr(run, "load_average", lambda: [0.1, 0.1, 0.1])
     assert run.decode_threads(0) == 2  # quiet: every core
     monkeypatch.setattr(run, "load_average", lambda: [1.6, 1.0, 0.5])
     assert run.decode_threads(0) == 1  # one core taken by other work: never fewer than 1, never oversubscribed
     monkeypatch.setattr(run, "load_average", lambda: [7.0, 5.0, 3.0])
     assert run.decode_threads(0) == 1
+    # the cores busy right now win over a load average that still counts a stage that just ended
+    monkeypatch.setattr(run, "busy_cores", lambda: 0.1)
+    assert run.decode_threads(0) == 2
+    assert run.busy_warning({"start": [1.5, 1, 1], "busy_cores": 0.1, "end": [1.2, 1, 1]}, threads=1) is None
+    assert run.busy_warning({"start": [0.2, 0.1, 0.1], "busy_cores": 1.4}, threads=1)
+    assert run.load_at_start()["busy_cores"] == 0.1
     assert run.busy_warning({"start": [0.2, 0.1, 0.1], "end": [1.1, 0.5, 0.2]}, threads=1) is None  # our own load
     busy = run.busy_warning({"start": [1.8, 1.0, 0.5], "end": [2.9, 1.5, 1.0]}, threads=1)
     assert busy and "busy" in busy and "1.9" in busy
