@@ -211,10 +211,10 @@ def main(cfg) -> Path:
     texts = [p["turns"][0] for b in ecfg.benchmarks
              for p in load_prompts(resolve_benchmark(b, ecfg.benchmark_dir), n)][:n]
     torch.manual_seed(ecfg.seed)
-    model, tok, head, tid = setup(cfg)
+    load = load_at_start()  # before loading: our own work is not in it yet
+    model, tok, head, tid = setup(cfg, load)
     prompts = [render(tok, [{"role": "user", "content": t}])[0] for t in texts]
     scfg = SpecConfig.from_eval(ecfg, 0.0)
-    load = load_at_start()
     rows = measure(model, head, prompts, list(ecfg.batch_sizes), scfg, tok.eos_token_id, progress=True)
     load["end"] = load_average()
     rep = build_report(rows, model, scfg, len(prompts), load, target=tid, head=str(ecfg.head), machine=machine())

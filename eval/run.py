@@ -238,6 +238,13 @@ def load_at_start() -> dict:
     return {"start": load_average(), "busy_cores": busy_cores()}
 
 
+def other_work(load: dict) -> float:
+    """Cores' worth of other work at start: busy cores from /proc/stat, else the 1-min load average."""
+    if load.get("busy_cores") is not None:
+        return load["busy_cores"]
+    return (load.get("start") or [0.0])[0]
+
+
 def busy_warning(load: dict, threads: int):
     """A sentence when other work shared the CPU during the run (None on a quiet machine or a GPU): the
     cores busy at start (else the 1-min load average then), or the load average at the end minus this
@@ -245,16 +252,16 @@ def busy_warning(load: dict, threads: int):
     if torch.cuda.is_available() or not load.get("start"):
         return None
     cores = os.cpu_count() or 1
-    start = load["busy_cores"] if load.get("busy_cores") is not None else load["start"][0]
-    others = max(start, (load.get("end") or [0])[0] - threads)
+    others = max(other_work(load), (load.get("end") or [0])[0] - threads)
     if others <= cores / 2:
         return None
     return (f"the machine was busy ({others:.1f} cores' worth of other work on {cores} cores): speedups "
             "measured now understate a quiet machine's; rerun on an idle machine for deployment figures")
 
 
-def decode_threads(requested: int) -> int:
-    """Threads for decoding: `requested`, or (0) the cores other work leaves idle right now, at least 1.
+def decode_threads(requested: int, load: dict | None = None) -> int:
+    """Threads for decoding: `requested`, or (0) the cores other work leaves idle (`load`, as
+    `load_at_start` measures it; measured now when not given), at least 1.
     A tree step is hundreds of small ops, each a barrier for every thread: one thread waiting for a core
     that another process holds stalls them all (on this 2-core box, 2 threads under load decoded 10x slower
     than 1)."""
@@ -263,8 +270,7 @@ def decode_threads(requested: int) -> int:
     if torch.cuda.is_available():
         return torch.get_num_threads()
     cores = os.cpu_count() or 1
-    busy = busy_cores()
-    idle = cores - (busy if busy is not None else (load_average() or [0.0])[0])
+    idle = cores - other_work(load if load is not None else load_at_start())
     return max(1, min(torch.get_num_threads(), cores, int(idle + 0.5)))
 
 
@@ -306,12 +312,13 @@ def check_head_fits(head, model, where) -> None:
                         + "; ".join(problems))
 
 
-def setup(cfg):
-    """Target, tokenizer and head (on the target's device), every method warmed up."""
+def setup(cfg, load: dict | None = None):
+    """Target, tokenizer and head (on the target's device), every method warmed up; the decoding threads
+    from `load` (the caller's `load_at_start`)."""
     from eagle_train.heads import check_head_matches, head_provenance, load_head
     from eagle_train.target import load_target, model_digest, target_id, tokenizer_digest
 
-    torch.set_num_threads(decode_threads(cfg.eval.threads))
+    torch.set_num_threads(decode_threads(cfg.eval.threads, load))
     tcfg = OmegaConf.merge(cfg.target, {"dtype": cfg.eval.target_dtype or cfg.target.dtype})
     model, tok = load_target(tcfg)
     model.eval()
@@ -361,7 +368,7 @@ def main(cfg) -> Path:
         raise CorpusError("\n  ".join(problems))
     torch.manual_seed(ecfg.seed)
     load_start = load_at_start()  # before loading: our own work is not in it yet
-    model, tok, head, tid = setup(cfg)
+    model, tok, head, tid = setup(cfg, load_start)
     methods = method_names(ecfg.prompt_lookup_num_tokens)
     rep = {"target": tid, "head": str(ecfg.head), "head_type": head_type(head),
            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "target_dtype": dtype_name(model),

@@ -46,7 +46,7 @@ def sweep_main(cfg) -> Path:
     prompts = [p for path in paths for p in load_prompts(path, ecfg.max_prompts)]
     torch.manual_seed(ecfg.seed)
     load = load_at_start()
-    model, tok, head, tid = setup(cfg)
+    model, tok, head, tid = setup(cfg, load)
     temp = float(ecfg.temperatures[0])
     settings = sweep_settings(ecfg)
     scfgs = [SpecConfig.from_eval(ecfg, temp, **s) for s in settings]
