@@ -42,6 +42,8 @@ def dump_header(cfg, model) -> dict:
                  "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
         "head": {"type": cfg.head.type, "aux_layers": aux},
     }
+    if d.skip_conversations:  # only when set: dumps made before the key keep their hash
+        settings["data"]["skip_conversations"] = d.skip_conversations
     if cfg.regen.enabled:  # the replies are the target's: what generated them is part of the features' identity
         settings["regen"] = {k: cfg.regen[k] for k in ("max_new_tokens", "temperature", "top_p", "max_turns", "seed")}
     settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))

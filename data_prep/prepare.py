@@ -102,7 +102,7 @@ def main(cfg) -> dict:
         source, fmt, limit = regenerated_source(cfg), "messages", None
     skips = Skips()
     rows = []
-    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit),
+    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, 0 if cfg.regen.enabled else d.skip_conversations),
                total=limit, desc="read", unit="conv", dynamic_ncols=True)
     for conv in bar:
         rows.append({"id": conv.id, "messages": with_system_prompt(conv.messages, d.system_prompt)})

@@ -304,10 +304,11 @@ def iter_records(source: str, split: str = "train", skips: Optional[Skips] = Non
 
 
 def read_conversations(source: str, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
-                       limit: Optional[int] = None) -> Iterator[Conversation]:
-    """Normalized conversations from `source`; bad records go to `skips`. Stops after `limit` kept."""
+                       limit: Optional[int] = None, skip: int = 0) -> Iterator[Conversation]:
+    """Normalized conversations from `source`; bad records go to `skips`. Passes over the first `skip`
+    usable ones (bad records are not counted), then stops after `limit` kept."""
     skips = skips if skips is not None else Skips()
-    kept = 0
+    kept = passed = 0
     if limit is not None and limit <= 0:
         return
     for where, record in iter_records(source, split, skips):
@@ -316,6 +317,9 @@ def read_conversations(source: str, fmt: str = "auto", split: str = "train", ski
             msgs = normalize(record, fmt, skips)
         except BadRecord as bad:
             skips.add(bad.reason, rid if rid == where else f"{rid} ({where})")
+            continue
+        if passed < skip:
+            passed += 1
             continue
         kept += 1
         yield Conversation(rid, msgs)

@@ -54,7 +54,8 @@ on_shard_written = None
 def settings_of(cfg) -> dict:
     """Everything the generated text depends on (stored in regen.json, compared on reruns)."""
     d, r = cfg.data, cfg.regen
-    return {"format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
+    skip = {"skip_conversations": d.skip_conversations} if d.skip_conversations else {}  # older folders lack it
+    return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
             "dtype": cfg.target.dtype, "source": d.source, "data_format": d.format, "split": d.split,
             "max_conversations": d.max_conversations, "system_prompt": d.system_prompt, "max_length": d.max_length,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
@@ -78,7 +79,8 @@ def main(cfg, model=None, tok=None) -> dict:
 
     skips = Skips()
     convs = []
-    for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations):
+    for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations,
+                                cfg.data.skip_conversations):
         convs.append((c.id, with_system_prompt(c.messages, cfg.data.system_prompt)))
     if not convs:
         raise CorpusError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)}, "

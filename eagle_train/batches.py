@@ -4,13 +4,15 @@ length-bucketed), and the targets each position is trained on (`add_targets`).""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import torch
 
-from eagle_train.dump_reader import FeatureDataset, collate
+from eagle_train.dump_reader import ConcatFeatures, FeatureDataset, collate
 from eagle_train.eagle3 import check_aux_layers
+from eagle_train.recipe import RecipeError
 from eagle_train.target import target_id
 
 
@@ -54,6 +56,9 @@ def pad_collate(batch):
 
 def open_data(cfg, split):
     """(dataset, collate) for a split ("train" or "eval"); None for a missing eval split."""
+    if cfg.train.extra_dumps and cfg.train.mode != "offline":
+        raise RecipeError("`train.extra_dumps` are read by offline training; set train.mode=offline "
+                          "or leave train.extra_dumps empty")
     if cfg.train.mode == "offline":
         folder = Path(cfg.dump.output) / ("eval" if split == "eval" else "")
         if not (folder / "manifest.json").is_file():
@@ -61,7 +66,14 @@ def open_data(cfg, split):
                 return None
             raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
-        return FeatureDataset(folder), collate
+        ds = FeatureDataset(folder)
+        if split == "train" and cfg.train.extra_dumps:
+            for i, f in enumerate(cfg.train.extra_dumps):
+                if not (Path(f) / "manifest.json").is_file():
+                    raise FileNotFoundError(f"no dump at {f} (train.extra_dumps[{i}]); create it with "
+                                            "`eagle-train dump <recipe> output_dir=...` for that corpus")
+            ds = ConcatFeatures([ds] + [FeatureDataset(f) for f in cfg.train.extra_dumps])
+        return ds, collate
     from eagle_train.data_prep.dump import load_split  # the dump's reader: names a damaged file
 
     folder = Path(cfg.data.output) / split
@@ -95,12 +107,18 @@ def corpus_pairs(cfg, ds):
     """(input_ids, loss_mask) of every training sample, for the draft-vocabulary counts."""
     from datasets import load_from_disk
 
+    extra = ds.parts[1:] if isinstance(ds, ConcatFeatures) else []
+    first = ds.parts[0] if extra else ds
     folder = Path(cfg.data.output) / "train"
     if cfg.train.mode == "offline" and folder.is_dir():  # the prepared corpus is cheaper to scan than the dump
-        ds = load_from_disk(str(folder))
-    if hasattr(ds, "column_names"):
-        return zip(ds["input_ids"], ds["loss_mask"])
-    return ((ds[i]["input_ids"], ds[i]["loss_mask"]) for i in range(len(ds)))
+        first = load_from_disk(str(folder))
+    if hasattr(first, "token_pairs"):
+        pairs = first.token_pairs()
+    elif hasattr(first, "column_names"):
+        pairs = zip(first["input_ids"], first["loss_mask"])
+    else:
+        pairs = ((first[i]["input_ids"], first[i]["loss_mask"]) for i in range(len(first)))
+    return itertools.chain(pairs, *(p.token_pairs() for p in extra))  # extra dumps: their own token columns
 
 
 def batch_indices(n, mb, world, rank, seed, epoch, lengths=None, bucket=64):

@@ -138,6 +138,34 @@ class FeatureDataset(Dataset):
             item["topk_ids"] = f.get_slice("topk_ids")[a:b].to(torch.int64)
         return item
 
+    def token_pairs(self):
+        """(input_ids, loss_mask) of every sample, without reading the features (draft-vocabulary counts)."""
+        for i in range(len(self)):
+            j = bisect.bisect_right(self.first, i) - 1
+            a, b = self.offsets[j][i - self.first[j]], self.offsets[j][i - self.first[j] + 1]
+            f = self._open(j)
+            yield f.get_slice("input_ids")[a:b].tolist(), f.get_slice("loss_mask")[a:b].tolist()
+
+
+class ConcatFeatures(Dataset):
+    """Several dumps read as one (train.extra_dumps): the samples of `parts` in order. `folder` and
+    `manifest` are the first part's (the recipe's dump.output)."""
+
+    def __init__(self, parts: List[FeatureDataset]):
+        self.parts = parts
+        self.folder, self.manifest = parts[0].folder, parts[0].manifest
+        self.lengths = [n for p in parts for n in p.lengths]
+        self.first = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).tolist()
+
+    def __len__(self) -> int:
+        return self.first[-1]
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        j = bisect.bisect_right(self.first, i) - 1
+        return self.parts[j][i - self.first[j]]
+
 
 def collate(batch: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """Pad every field to the longest sample with zeros; adds attention_mask (B, L) int64."""

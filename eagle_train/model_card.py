@@ -161,6 +161,11 @@ def training_lines(head_type: str, train_state: dict) -> list:
                      + (f" (at most {data['max_conversations']} conversations" if data.get("max_conversations") else " (")
                      + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
                        "tokens in the loss)")
+    for extra in data.get("extra_dumps") or []:
+        d = extra.get("data") or {}
+        lines.append(f"- and a second dump (`train.extra_dumps`): `{d.get('source')}`"
+                     + (f", conversations after the first {d['skip_conversations']}" if d.get("skip_conversations") else "")
+                     + f", max {d.get('max_length')} tokens each, {extra.get('num_tokens')} tokens")
     if run:
         lines.append(f"- head: {head_type}, {run.get('mode')} training"
                      + (f" ({run['storage']} features)" if run.get("storage") else "")

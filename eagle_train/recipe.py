@@ -77,6 +77,9 @@ class DataConfig:
     max_length: int = spec(2048, check="> 0")
     # keep at most this many conversations (None: all), taken in file order
     max_conversations: Optional[int] = None
+    # pass over the first this many usable conversations: a second corpus that goes on where an earlier
+    # prep stopped (its dump trains beside the first one: train.extra_dumps)
+    skip_conversations: int = spec(0, check=">= 0")
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
     # fraction of conversations held out for evaluation during training
@@ -160,6 +163,10 @@ class HeadConfig:
 class TrainConfig:
     # offline: read the dump; online: run the frozen target in the training process
     mode: str = spec("offline", one_of=("offline", "online"))
+    # offline: more dump folders trained on together with dump.output (a second corpus, e.g. prepared with
+    # data.skip_conversations and its own data.max_length); each must match the recipe's target, layers and
+    # storage; the held-out split stays dump.output's
+    extra_dumps: List[str] = field(default_factory=list)
     # deepspeed (ZeRO, see `deepspeed`), ddp, or none (single process)
     engine: str = spec("deepspeed", one_of=("deepspeed", "ddp", "none"))
     # DeepSpeed ZeRO stage: 2 (default) or 3

@@ -71,7 +71,10 @@ def main(cfg, target=None, stop_after=None):
     tconf, embed, lm_head_w, norm_w = target_weights(cfg.target, target)
     digest = weights_digest(embed, lm_head_w, norm_w, cfg.target.dtype)
     if tc.mode == "offline":  # the dump is the contract: a dump of other layers would train a lying head
-        check_contract(ds.manifest, dump_expectation(cfg, tconf, digest), ds.folder)
+        expected = dump_expectation(cfg, tconf, digest)
+        for part in getattr(ds, "parts", [ds]):
+            check_contract(part.manifest, expected, part.folder)
+            expected = {**expected, "max_length": None}  # train.extra_dumps may be cut at another length
 
     torch.manual_seed(tc.seed)
     head = build_head(cfg.head, tconf)
@@ -235,7 +238,10 @@ def main(cfg, target=None, stop_after=None):
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
                           "init": cfg.head.init},
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,
-                         "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions}}
+                         "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions,
+                         "extra_dumps": [{"folder": str(p.folder), "num_tokens": p.manifest.get("num_tokens"),
+                                          "data": p.manifest.get("settings", {}).get("data")}
+                                         for p in getattr(ds, "parts", [])[1:]]}}
         save_head(head_out, final, extra={"train_state": info})
         atomic_write_text(final / "train_state.json", json.dumps(info, indent=2))
         accelerator.print(f"[train] saved {final}")

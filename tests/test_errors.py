@@ -405,6 +405,10 @@ CASES += [
     ("regen-temperature-negative", regen_as("regen.temperature=-0.5"), r"regen\.temperature"),
     ("regen-max-conversations-zero", regen_as("data.max_conversations=0"), r"data\.max_conversations"),
     ("negative-warmup", lambda w, c: offline(w, c, "train.warmup_steps=-1"), r"train\.warmup_steps"),
+    ("skip-conversations-negative", lambda w, c: offline(w, c, "data.skip_conversations=-1"), r"data\.skip_conversations"),
+    ("extra-dump-missing", lambda w, c: offline(w, c, f"train.extra_dumps=[{c}/no-such-dump]"),
+     r"no-such-dump \(train\.extra_dumps\[0\]\)"),
+    ("extra-dumps-online", lambda w, c: train_online(w, c, f"train.extra_dumps=[{w}/dump]"), r"train\.extra_dumps.*offline"),
     ("eval-depth-zero", eval_as("eval.depth=0"), r"eval\.depth"),
     # regen artifacts
     ("regen-rerun-other-settings", regen_rerun_other_settings, r"max_new_tokens = 8.*16"),

