@@ -73,7 +73,8 @@ def main():
 def measure(model, dtype, args):
     from transformers import DynamicCache
 
-    from eagle_train.decoding import Tree, commit_cache, verify
+    from eagle_train.decoding import Tree, verify
+    from eagle_train.kv_cache import commit_cache
 
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ One step, as small functions over explicit state:
     verify         one target forward over the whole tree (4D mask + tree position ids)
     accept_greedy / accept_sample   walk the tree from the root (eagle_train.acceptance, with the
                    target's sampling distribution and the rejection rule)
-    commit_cache   keep only the accepted path in the target's KV cache (no re-prefill)
+    commit_cache   keep only the accepted path in the target's KV cache (no re-prefill; eagle_train.kv_cache)
     head_update    re-run the head on the accepted path with the target's true features
 
 Conventions (SGLang names in brackets):
@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
 from eagle_train.features import aux_features
+from eagle_train.kv_cache import commit_cache
 
 
 @dataclass
@@ -272,20 +273,6 @@ def verify(model, cache, tree: Tree, past_len: int, aux_layers):
     ids = torch.tensor([tree.tokens], device=dev)
     return target_forward(model, ids, cache, aux_layers, pos, mask)
 
-
-
-def commit_cache(cache: DynamicCache, past_len: int, keep: torch.Tensor) -> None:
-    """Keep positions [0, past_len) plus the tree entries `keep` (accepted path) in every layer."""
-    end = past_len + len(keep)
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            # move the kept entries down in place and keep a view: the next forward's cat copies the cache
-            # anyway, so a cat here would copy every committed entry a second time each step
-            t[:, :, past_len:end] = t[:, :, past_len + keep]
-            setattr(layer, name, t[:, :, :end])
-        if isinstance(getattr(layer, "cumulative_length", None), int):
-            layer.cumulative_length = past_len + len(keep)
 
 
 def head_update(head, hkv, C: int, ids: List[int], feats: torch.Tensor):

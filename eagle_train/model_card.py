@@ -11,6 +11,7 @@ import hashlib
 import json
 
 from eagle_train.decoding import SpecConfig, max_tree_nodes
+from eagle_train.eval.summary import lossless_rows
 
 # aliases the toolkit ships -> the hub model an engine should serve
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -48,10 +49,9 @@ def best_setting(cfg, report: dict | None, sweep: dict | None) -> tuple[dict, st
 def chain_setting(setting: dict, report: dict | None, sweep: dict | None) -> tuple[int, str]:
     """(vLLM num_speculative_tokens, its label): vLLM drafts a chain, so the line carries the
     measured chain tau, never a tree's."""
-    # in float32 a mismatch is a decoder bug; in bf16/fp16 near-ties round differently and are only counted
-    exact = (sweep or {}).get("target_dtype", "float32") == "float32"
-    chains = [r for r in (sweep or {}).get("results", []) if int(r.get("topk", 0)) == 1
-              and not (exact and r.get("greedy_mismatches"))]
+    sweep = sweep or {}
+    chains = [r for r in lossless_rows(sweep.get("results", []), sweep.get("target_dtype", "float32"))
+              if int(r.get("topk", 0)) == 1]
     if chains:
         c = max(chains, key=lambda r: r["speedup"])
         return int(c["depth"]), (f"the best chain the sweep measured: τ {c['tau']:.2f}, speedup "

@@ -111,3 +111,11 @@ def verdict(res: dict) -> str:
     return (f"the head does NOT beat prompt lookup ({n} tokens: tau {best['tau']:.2f}, speedup "
             f"{best['speedup']:.2f}x vs the head's {res['tau']:.2f}, {res['speedup']:.2f}x): serving it "
             "gains nothing over the free n-gram drafter")
+
+
+def lossless_rows(results: List[dict], target_dtype: str) -> List[dict]:
+    """The sweep rows a setting may be chosen from. In float32 a greedy mismatch is a decoder bug and
+    disqualifies; in bf16/fp16 near-ties round differently between a tree pass and a one-token pass,
+    so mismatches are counted and reported, not disqualifying."""
+    exact = target_dtype == "float32"
+    return [r for r in results if not (exact and r.get("greedy_mismatches"))]

@@ -14,7 +14,8 @@ import torch
 
 import test_sampling
 from conftest import make_tiny_llama
-from eagle_train.batch_decoding import batched_speculative_generate, compact_index
+from eagle_train.batch_decoding import batched_speculative_generate
+from eagle_train.kv_cache import compact_index
 from eagle_train.acceptance import rejection_rule
 from eagle_train.baselines import vanilla_generate
 from eagle_train.decoding import SpecConfig, speculative_generate

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle_train.decoding import (SpecConfig, Tree, commit_cache, draft_tree, head_update, rerank,
-                                  static_paths, target_forward, tree_mask, verify)
+from eagle_train.decoding import (SpecConfig, Tree, draft_tree, head_update, rerank, static_paths, target_forward,
+                                  tree_mask, verify)
+from eagle_train.kv_cache import commit_cache
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 
 #        0 (root)
