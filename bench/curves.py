@@ -9,6 +9,12 @@ Each argument is a training output folder of a run made with `train.snapshots=tr
 alone), with the recipe's-style dynamic tree; results are cached in `<run>/tau_curve.json`, so a
 rerun measures only new snapshots. Writes `bench/curves.png` and, with --record, a table under
 `## Learning curves` in bench/RESULTS.md.
+
+    python bench/curves.py outputs/full/main outputs/full/ttt5 outputs/full/more --phases --steps ...
+
+--phases: the runs are consecutive training phases of one head (each started from the previous one's
+final head): tokens, CPU- and wall-minutes add up across them, so the plot reads as one curve of what
+the whole recipe's CPU bought.
 """
 
 from __future__ import annotations
@@ -63,9 +69,11 @@ def main():
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--num-draft-tokens", type=int, default=16)
-    ap.add_argument("--steps", type=int, nargs="*", help="measure tau only at these steps (default: every snapshot)")
+    ap.add_argument("--steps", nargs="*", help="measure tau only at these steps (default: every snapshot); "
+                    "one comma list per run (e.g. 50,150 200) gives each run its own")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "curves.png")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="runs are consecutive phases of one head: x adds up")
     a = ap.parse_args()
     labels = a.labels or [r.parent.name for r in a.runs]
     torch.set_num_threads(1)
@@ -85,7 +93,10 @@ def main():
     setting = f"topk {a.topk}, depth {a.depth}, {a.num_draft_tokens} draft tokens"
     refs = {}
     curves = []
-    for run, label in zip(a.runs, labels):
+    per_run = a.steps and len(a.steps) == len(a.runs) and any("," in x for x in a.steps)
+    steps = ([{int(v) for v in x.split(",")} for x in a.steps] if per_run
+             else [None if a.steps is None else {int(v) for x in a.steps for v in x.split(",")}] * len(a.runs))
+    for run, label, wanted_steps in zip(a.runs, labels, steps):
         rows = [json.loads(x) for x in (run / "curve.jsonl").read_text().splitlines() if x.strip()]
         cache_file = run / "tau_curve.json"
         cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
@@ -93,7 +104,7 @@ def main():
         taus = cache.setdefault(key, {})
         for row in rows:
             snap = run / "snapshots" / f"step-{row['step']}"
-            wanted = a.steps is None or row["step"] in a.steps
+            wanted = wanted_steps is None or row["step"] in wanted_steps
             if str(row["step"]) not in taus and snap.is_dir() and wanted:
                 t0 = time.perf_counter()
                 taus[str(row["step"])] = tau_of(model, tok, load_head(snap, target=model), prompts, scfg, refs)
@@ -101,6 +112,11 @@ def main():
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
                 atomic_write_text(cache_file, json.dumps(cache, indent=2))
             row["tau"] = taus.get(str(row["step"]))
+        if a.phases and curves:  # this phase starts where the previous one ended
+            last = curves[-1][1][-1]
+            for row in rows:
+                for k in ("tokens", "cpu_s", "wall_s"):
+                    row[k] += last[k]
         curves.append((label, rows))
 
     import matplotlib
@@ -126,7 +142,10 @@ def main():
     with atomic_path(a.out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
 
-    lines = [f"`python bench/curves.py {' '.join(map(str, a.runs))} --labels {' '.join(labels)}` "
+    lines = [f"`python bench/curves.py {' '.join(map(str, a.runs))} --labels {' '.join(labels)}"
+             f"{' --phases' if a.phases else ''}{' --steps ' + ' '.join(map(str, a.steps)) if a.steps else ''}"
+             f"{'' if a.prompts == 3 else f' --prompts {a.prompts}'}"
+             f"{'' if a.max_new_tokens == 64 else f' --max-new-tokens {a.max_new_tokens}'}` "
              f"({time.strftime('%Y-%m-%d')}): tau greedy on the first turns of {a.prompts} prompts of each of "
              f"{', '.join(a.benchmarks)} ({a.max_new_tokens} new tokens, dynamic tree {setting}; every output equal to "
              f"`generate`); CPU-minutes = training process CPU time (2 threads), torch {torch.__version__}, "
