@@ -38,21 +38,30 @@ demo: install
 	$(BIN)/eagle-train export $(RECIPE) $(DEMO)
 	$(BIN)/eagle-train push   $(RECIPE) $(DEMO) --dry-run hub.repo_id=me/SmolLM2-135M-Instruct-EAGLE3
 
-# the full recipe from scratch (prep, dump, train, a second training phase with 5 TTT steps, tree sweep, eval,
-# export), each stage resumable: rerun `make full` after an interruption and it goes on where it stopped.
-# ~2.5 h on 2 CPU cores. The shipped head came from these two phases (bench/RESULTS.md).
+# the full recipe from scratch, each stage resumable: rerun `make full` after an interruption and it goes on where
+# it stopped. Phase 1: prep, dump (0.9M tokens) and 650 steps with 3 TTT steps; phase 2: 200 steps with 5 TTT steps
+# from that head; phase 3: a second corpus (the next 1,100 ShareGPT conversations, up to 1,280 tokens: 1.1M tokens)
+# prepared and dumped beside the first, one epoch over both dumps; then tree sweep, eval, export.
+# ~4.5 h on 2 CPU cores. The shipped head came from these three phases (bench/RESULTS.md).
 OUT ?= outputs/smollm2-135m-eagle3
 FULL ?= output_dir=$(OUT)
 P2 ?= train.output=$(OUT)/train-ttt5 head.init=$(OUT)/train/final train.ttt_steps=5 train.learning_rate=3e-4 \
-      train.warmup_steps=10 train.max_steps=200 eval.head=$(OUT)/train-ttt5/final
+      train.warmup_steps=10 train.max_steps=200
+MORE ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=1100 data.max_length=1280 \
+        data.eval_fraction=0
+P3 ?= train.output=$(OUT)/train-more head.init=$(OUT)/train-ttt5/final train.ttt_steps=5 train.learning_rate=5e-4 \
+      train.warmup_steps=20 train.max_steps=327 'train.extra_dumps=[$(OUT)/more/dump]' eval.head=$(OUT)/train-more/final
 full: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(BIN)/eagle-train dump   $(RECIPE) $(FULL)
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL)
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(P2)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(P2)
-	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(P2)
-	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(P2)
+	$(BIN)/eagle-train prep   $(RECIPE) $(FULL) $(MORE)
+	$(BIN)/eagle-train dump   $(RECIPE) $(FULL) $(MORE)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(P3)
+	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(P3)
+	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(P3)
+	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(P3)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
