@@ -68,11 +68,8 @@ def open_data(cfg, split):
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
         ds = FeatureDataset(folder)
         if split == "train" and cfg.train.extra_dumps:
-            for i, f in enumerate(cfg.train.extra_dumps):
-                if not (Path(f) / "manifest.json").is_file():
-                    raise FileNotFoundError(f"no dump at {f} (train.extra_dumps[{i}]); create it with "
-                                            "`eagle-train dump <recipe> output_dir=...` for that corpus")
-            ds = ConcatFeatures([ds] + [FeatureDataset(f) for f in cfg.train.extra_dumps])
+            ds = ConcatFeatures([ds] + [FeatureDataset(f, key=f"train.extra_dumps[{i}]")
+                                        for i, f in enumerate(cfg.train.extra_dumps)])
         return ds, collate
     from eagle_train.data_prep.dump import load_split  # the dump's reader: names a damaged file
 

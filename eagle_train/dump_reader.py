@@ -58,11 +58,12 @@ def sha256_file(path) -> str:
 
 
 class FeatureDataset(Dataset):
-    def __init__(self, folder, dtype: torch.dtype = torch.float32):
+    def __init__(self, folder, dtype: torch.dtype = torch.float32, key: str | None = None):
         self.folder = Path(folder)
         path = self.folder / "manifest.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no dump at {self.folder} (manifest.json missing); "
+        if not path.is_file():  # `key`: the recipe key that named the folder, for the message
+            named = f" ({key})" if key else ""
+            raise FileNotFoundError(f"no dump at {self.folder}{named} (manifest.json missing); "
                                     f"create it with `eagle-train dump <recipe>`")
         try:
             self.manifest = json.loads(path.read_text())
@@ -117,13 +118,16 @@ class FeatureDataset(Dataset):
                             "`eagle-train dump <recipe>` with the same recipe: it redoes that shard")
         self._verified.add(j)
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+    def _rows(self, i: int):
+        """(open shard, first row, end row) of sample i."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         j = bisect.bisect_right(self.first, i) - 1
         k = i - self.first[j]
-        a, b = self.offsets[j][k], self.offsets[j][k + 1]
-        f = self._open(j)
+        return self._open(j), self.offsets[j][k], self.offsets[j][k + 1]
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        f, a, b = self._rows(i)
         names = set(f.keys())
         item = {"input_ids": f.get_slice("input_ids")[a:b].long(),
                 "loss_mask": f.get_slice("loss_mask")[a:b].long()}
@@ -141,9 +145,7 @@ class FeatureDataset(Dataset):
     def token_pairs(self):
         """(input_ids, loss_mask) of every sample, without reading the features (draft-vocabulary counts)."""
         for i in range(len(self)):
-            j = bisect.bisect_right(self.first, i) - 1
-            a, b = self.offsets[j][i - self.first[j]], self.offsets[j][i - self.first[j] + 1]
-            f = self._open(j)
+            f, a, b = self._rows(i)
             yield f.get_slice("input_ids")[a:b].tolist(), f.get_slice("loss_mask")[a:b].tolist()
 
 
