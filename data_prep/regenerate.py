@@ -43,6 +43,7 @@ from eagle_train.data_prep.templates import render, special_ids
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text, refuse_orphan_pieces
+from eagle_train.kv_cache import keep_rows
 from eagle_train.recipe import RecipeError
 from eagle_train.target import load_target, resolve_device, target_id
 
@@ -247,38 +248,42 @@ def regenerate_shard(model, tok, convs, cfg, eot: List[int], seed: int):
 @torch.no_grad()
 def generate(model, prompts: List[List[int]], r, eot: List[int], tok, gen: torch.Generator):
     """Left-padded batch generation with a KV cache; per prompt (reply text, new tokens, ended at
-    end-of-turn). Greedy is plain argmax; sampling draws from softmax(logits / T) within top-p."""
+    end-of-turn). Greedy is plain argmax; sampling draws from softmax(logits / T) within top-p. A row
+    that ends leaves the batch with its cache rows, so a batch costs what its live rows cost, not
+    what its longest reply costs (bench/regen.py)."""
     from transformers import DynamicCache
 
     dev = model.device
     width = max(map(len, prompts))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eot[0]
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+    step_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
     eot_t = torch.tensor(eot, device=dev)
-    cache, out = DynamicCache(), []
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
-    ended = torch.zeros_like(done)
-    step_ids = ids
+    cache = DynamicCache()
+    live = list(range(len(prompts)))  # the prompt each batch row answers
+    out, ended = [[] for _ in prompts], [False] * len(prompts)
     for _ in range(r.max_new_tokens):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         logits = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, cache=cache,
                        use_cache=True).logits[:, -1].float()
         nxt = sample(logits, r.temperature, r.top_p, gen)
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        out.append(nxt)
-        hit = torch.isin(nxt, eot_t) & ~done
-        ended |= hit
-        done |= hit
-        if done.all():
-            break
+        hit = torch.isin(nxt, eot_t)
+        for row, t, h in zip(live, nxt.tolist(), hit.tolist()):
+            out[row].append(t)
+            ended[row] = h
+        if hit.any():
+            keep = (~hit).nonzero().squeeze(-1)
+            if len(keep) == 0:
+                break
+            live = [live[k] for k in keep.tolist()]
+            nxt, mask = nxt[keep], mask[keep]
+            keep_rows(cache, keep)
         step_ids = nxt[:, None]
-        mask = torch.cat([mask, (~done).long()[:, None] | hit.long()[:, None]], dim=1)
-    toks = torch.stack(out, dim=1).tolist() if out else [[] for _ in prompts]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     results = []
-    for row, fin in zip(toks, ended.tolist()):
-        n = next((k for k, t in enumerate(row) if t in eot), len(row))
-        results.append((tok.decode(row[:n], skip_special_tokens=True), n + int(fin), fin))
+    for row, fin in zip(out, ended):
+        n = len(row) - int(fin)
+        results.append((tok.decode(row[:n], skip_special_tokens=True), len(row), fin))
     return results
 
 

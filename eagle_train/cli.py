@@ -75,10 +75,12 @@ def run_stage(stage: str, argv) -> int:
         print(stage_help(stage))
         return 0
     module, func = STAGES[stage]
+    finished = False
     try:
         run = getattr(importlib.import_module(module), func)
         result = run(*check_args(argv)) if stage == "check" else run(load_args(push_args(argv) if stage == "push"
                                                                                    else argv))
+        finished = True
     except (EagleError, FileNotFoundError, *PATH_ERRORS, *STAGE_ERRORS.get(stage, ())) as err:
         if debug:
             raise
@@ -89,7 +91,7 @@ def run_stage(stage: str, argv) -> int:
         print(f"\neagle-train {stage}: error: {what} (--debug shows the traceback)", file=sys.stderr)
         return 2
     finally:
-        leave_process_group()
+        leave_process_group(wait=finished)
     if isinstance(result, Path):
         print(f"[{stage}] wrote {result}")
     return result if isinstance(result, int) else 0
@@ -144,11 +146,15 @@ def check_args(argv) -> tuple:
     return folder, tcfg
 
 
-def leave_process_group() -> None:
+def leave_process_group(wait: bool = False) -> None:
     """Tear a torch process group down before exit: a rank leaving with live gloo connections can
-    abort its peer's background thread at interpreter shutdown."""
+    abort its peer's background thread at interpreter shutdown. `wait` (the stage finished on this
+    rank): first a barrier, so no rank closes its connections while a peer still uses them (a rank
+    that failed leaves at once: its peers may never reach the barrier)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if wait:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -57,6 +57,12 @@ def compact_cache(cache: DynamicCache, rows: torch.Tensor, lens: torch.Tensor, s
             layer.cumulative_length = end
 
 
+def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep batch rows `rows` of every layer, all their slots (a batch whose finished rows leave)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
 def commit_cache(cache: DynamicCache, past_len: int, keep: torch.Tensor) -> None:
     """A batch of one: keep positions [0, past_len) plus the tree entries `keep` (the accepted path,
     as tree indices) in every layer."""

@@ -135,3 +135,26 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path, smollm2_tokenizer):
     for f in sorted((tmp_path / "ref/regen").glob("shard-*.jsonl")):
         assert (run / f.name).read_text() == f.read_text(), f.name
     assert got["counts"] == ref["counts"] and got["counts"]["replies"] > 0
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_as_alone():
+    """Rows that reach end-of-turn leave the batch (cache rows dropped); every row's reply equals
+    generating its prompt alone, which equals `model.generate` (greedy, fp32)."""
+    from types import SimpleNamespace
+
+    model = make_tiny_llama(vocab_size=96, layers=2)
+    tok = SimpleNamespace(pad_token_id=0, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    r = SimpleNamespace(max_new_tokens=20, temperature=0.0, top_p=1.0)
+    g = torch.Generator()
+    prompts = [[5, 9, 3, 7], [11, 4], [8, 8, 21, 30, 2, 6], [40]]
+    free = [regenerate.generate(model, [p], r, [95], tok, g)[0][0].split() for p in prompts]
+    eot = sorted({int(free[0][2]), int(free[1][9])})  # rows end at different steps
+    alone = [regenerate.generate(model, [p], r, eot, tok, g)[0] for p in prompts]
+    batch = regenerate.generate(model, prompts, r, eot, tok, g)
+    assert batch == alone
+    assert len({n for _, n, _ in batch}) > 1 and any(fin for _, _, fin in batch)
+    for p, (text, n, fin) in zip(prompts, batch):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=r.max_new_tokens, do_sample=False, eos_token_id=eot, pad_token_id=0)
+        ref = ref[0, len(p):].tolist()
+        assert n == len(ref) and fin == (ref[-1] in eot) and text.split() == list(map(str, ref[:n - fin]))
