@@ -95,11 +95,11 @@ def main(cfg) -> dict:
                          "prep renders conversations with the target's own template")
 
     # 1. read + normalize (bad records are counted, never fatal); regen.enabled: the target's own replies
-    source, fmt, limit = d.source, d.format, d.max_conversations
-    if cfg.regen.enabled:
+    source, fmt, limit, source_name = d.source, d.format, d.max_conversations, d.source
+    if cfg.regen.enabled:  # its shard files, not the bookkeeping beside them
         from eagle_train.data_prep.regenerate import regenerated_source
 
-        source, fmt, limit = regenerated_source(cfg), "messages", None
+        source, fmt, limit, source_name = regenerated_source(cfg), "messages", None, str(cfg.regen.output)
     skips = Skips()
     rows = []
     bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, 0 if cfg.regen.enabled else d.skip_conversations),
@@ -138,7 +138,7 @@ def main(cfg) -> dict:
     loss_tokens = sum(sum(m) for m in good["loss_mask"])
     tokens = sum(lengths)
     stats = {
-        "source": source,
+        "source": source_name,
         "target": cfg.target.model,
         "tokenizer_digest": tokenizer_digest(tok),  # the dump copies it into its manifest
         "max_length": d.max_length,

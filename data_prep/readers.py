@@ -282,9 +282,13 @@ def iter_hub(name: str, split: str) -> Iterator[Tuple[str, object]]:
         yield f"{name}[{i}]", record
 
 
-def iter_records(source: str, split: str = "train", skips: Optional[Skips] = None) -> Iterator[Tuple[str, object]]:
-    """(where, raw record) for any supported source."""
+def iter_records(source, split: str = "train", skips: Optional[Skips] = None) -> Iterator[Tuple[str, object]]:
+    """(where, raw record) for any supported source, or from each file of a list of files in turn."""
     skips = skips if skips is not None else Skips()
+    if isinstance(source, (list, tuple)):
+        for f in source:
+            yield from iter_file(Path(f), skips)
+        return
     if source in ALIASES:
         yield from iter_json_array(resolve_alias(source), skips)
         return
@@ -303,7 +307,7 @@ def iter_records(source: str, split: str = "train", skips: Optional[Skips] = Non
         yield from iter_hub(source, split)
 
 
-def read_conversations(source: str, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
+def read_conversations(source, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
                        limit: Optional[int] = None, skip: int = 0) -> Iterator[Conversation]:
     """Normalized conversations from `source`; bad records go to `skips`. Passes over the first `skip`
     usable ones (bad records are not counted), then stops after `limit` kept."""

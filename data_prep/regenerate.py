@@ -298,8 +298,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 
-def regenerated_source(cfg) -> str:
-    """What prep reads with regen.enabled: the regen output, once it is complete."""
+def regenerated_source(cfg) -> List[str]:
+    """What prep reads with regen.enabled: the regen output's shard files, once it is complete."""
     out = Path(cfg.regen.output)
     path = out / "regen.json"
     summary = read_summary(path) if path.is_file() else {}
@@ -315,7 +315,7 @@ def regenerated_source(cfg) -> str:
         raise CorpusError(f"{out} (regen.output): {', '.join(damaged[:4])}{' ...' if len(damaged) > 4 else ''} "
                           "missing, damaged or not matching its progress/ record (sha256); rerun `eagle-train regen "
                           "<recipe>`: it redoes those shards")
-    return str(cfg.regen.output)
+    return [str(out / f"shard-{i:05d}.jsonl") for i in range(int(summary["shards"]))]
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def test_turn_structure_eos_and_prep(tmp_path, smollm2):
     stats = prep(load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=24", "regen.shard_size=3",
                                         "regen.enabled=true", "data.eval_fraction=0")))
     assert stats["conversations"]["kept"] == 4 and stats["source"] == str(tmp_path / "regen")
+    assert stats["conversations"]["skipped"] == 0 and not stats["skipped"]  # regen.json and progress/ are not records
     # other generation settings into the same folder are refused, naming the setting
     with pytest.raises(RecipeError, match="max_new_tokens"):
         regenerate.main(load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=32", "regen.shard_size=3")),
