@@ -55,7 +55,8 @@ def pad_collate(batch):
 
 
 def open_data(cfg, split):
-    """(dataset, collate) for a split ("train" or "eval"); None for a missing eval split."""
+    """(dataset, collate) for a split ("train" or "eval"); None for a missing or empty eval split
+    (data.eval_fraction=0: no held-out metrics, rather than zeros from no batches)."""
     if cfg.train.extra_dumps and cfg.train.mode != "offline":
         raise RecipeError("`train.extra_dumps` are read by offline training; set train.mode=offline "
                           "or leave train.extra_dumps empty")
@@ -67,6 +68,8 @@ def open_data(cfg, split):
             raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
         ds = FeatureDataset(folder)
+        if split == "eval" and len(ds) == 0:
+            return None
         if split == "train" and cfg.train.extra_dumps:
             ds = ConcatFeatures([ds] + [FeatureDataset(f, key=f"train.extra_dumps[{i}]")
                                         for i, f in enumerate(cfg.train.extra_dumps)])
@@ -79,7 +82,7 @@ def open_data(cfg, split):
             return None
         raise FileNotFoundError(f"no prepared corpus at {folder} (data.output); create it with `eagle-train prep <recipe>`")
     ds = load_split(folder).with_format(None)
-    return ds, pad_collate
+    return (ds, pad_collate) if split == "train" or len(ds) else None
 
 
 def dump_expectation(cfg, tconf, digest):

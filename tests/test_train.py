@@ -116,8 +116,10 @@ def test_extra_dumps_train_with_the_first(tmp_path):
     dump.main(load_recipe(None, tiny_args(tmp_path / "a", extra=dumped)), model=target)
     # the second corpus: other tokens (ids >= 100 only: they must reach the draft vocabulary), longer samples
     second = [(ids % 28 + 100, mask) for ids, mask in synthetic(n=24, length=64, seed=1)]
-    write_corpus(second, tmp_path / "b" / "data")
-    dump.main(load_recipe(None, tiny_args(tmp_path / "b", extra=dumped + ["data.max_length=64"])), model=target)
+    write_corpus(second, tmp_path / "b" / "data", eval_samples=[])  # as prep with data.eval_fraction=0
+    cfg_b = load_recipe(None, tiny_args(tmp_path / "b", extra=dumped + ["data.max_length=64"]))
+    dump.main(cfg_b, model=target)
+    assert open_data(cfg_b, "eval") is None  # an empty held-out split: no held-out metrics, not zeros
 
     cfg = load_recipe(None, tiny_args(tmp_path / "a", extra=dumped + [
         f"train.extra_dumps=[{tmp_path / 'b' / 'dump'}]", f"train.output={tmp_path / 'ab'}", "head.draft_vocab_size=128"]))
