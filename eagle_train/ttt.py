@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle_train.draft_vocab import draft_ids_of
 
@@ -86,7 +87,10 @@ def ttt_unroll(head, ids, aux, steps):
                                                is_causal=True)
         else:
             ks.append(k), vs.append(v)
-            o = ttt_attention(q, k0, v0, ks, vs)
+            # recomputed in backward: kept, its (B, heads, n, n) scores and softmax cost ~2 GB per TTT
+            # step at 8 x 1280 tokens (bench/train.py --memory)
+            o = (checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
+                 if torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
         yield out, head.lm_head(head.norm(out))
         hidden = out
