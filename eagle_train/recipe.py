@@ -198,6 +198,10 @@ class TrainConfig:
     ttt_steps: int = spec(7, check="> 0")
     # weight of TTT step k is ttt_decay**k
     ttt_decay: float = spec(0.8, check="in (0, 1]")
+    # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
+    # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
+    # (bench/RESULTS.md "## Training"); for long samples or several jobs on one box
+    recompute_attention: bool = False
     # EAGLE-1/2 loss = feature_weight * smooth-L1 + token_weight * CE
     feature_weight: float = spec(1.0, check=">= 0")
     token_weight: float = spec(0.1, check=">= 0")

@@ -67,9 +67,10 @@ def cut(p, n):
     return tuple(x[:, :n] for x in p) if isinstance(p, tuple) else p[:, :n]
 
 
-def ttt_unroll(head, ids, aux, steps):
+def ttt_unroll(head, ids, aux, steps, recompute: bool = False):
     """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
-    step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}."""
+    step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}.
+    `recompute`: steps >= 1 recompute their attention in backward rather than keep its n x n scores."""
     mid = head.midlayer
     attn = mid.self_attn
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
@@ -87,10 +88,8 @@ def ttt_unroll(head, ids, aux, steps):
                                                is_causal=True)
         else:
             ks.append(k), vs.append(v)
-            # recomputed in backward: kept, its (B, heads, n, n) scores and softmax cost ~2 GB per TTT
-            # step at 8 x 1280 tokens (bench/train.py --memory)
             o = (checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
-                 if torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
+                 if recompute and torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
         yield out, head.lm_head(head.norm(out))
         hidden = out
@@ -104,10 +103,11 @@ class DraftLoss(nn.Module):
     with uniform input noise of half-width `noise` while training. `feature_scale`: per-dim RMS of
     the aux features; fc trains on aux / feature_scale and the scale is folded back on save."""
 
-    def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None):
+    def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
+                 recompute_attention=False):
         super().__init__()
         self.head, self.head_type = head, head.head_type
-        self.ttt_steps, self.ttt_decay = ttt_steps, ttt_decay
+        self.ttt_steps, self.ttt_decay, self.recompute_attention = ttt_steps, ttt_decay, recompute_attention
         self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
         self.register_buffer("feature_scale", feature_scale, persistent=False)
 
@@ -120,7 +120,7 @@ class DraftLoss(nn.Module):
         ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
         loss, stats = 0.0, {}
-        for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps)):
+        for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention)):
             n = logits.shape[1]
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n].float()

@@ -60,18 +60,16 @@ def test_ttt_unroll_equals_engine_kv_cache_with_tree_mask():
         torch.testing.assert_close(got[s][0], out, atol=1e-5, rtol=1e-4)
 
 
-def test_ttt_attention_recomputed_in_backward(monkeypatch):
-    """TTT steps >= 1 recompute their attention in backward: the same gradients as keeping it, and
-    autograd no longer keeps the (B, heads, n, n) scores of every step."""
-    from eagle_train import ttt
-
+def test_ttt_attention_recomputed_in_backward():
+    """train.recompute_attention: TTT steps >= 1 recompute their attention in backward, with the same
+    gradients as keeping it, and autograd no longer keeps the (B, heads, n, n) scores of every step."""
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, vocab_size=50, draft_vocab_size=50, aux_layers=[1, 2, 3])
     head = Eagle3Head(cfg)
     ids, aux = torch.randint(0, 50, (2, 65)), torch.randn(2, 65, 96)
 
-    def grads_and_saved():
+    def grads_and_saved(recompute):
         head.zero_grad()
         saved = {}
 
@@ -79,13 +77,12 @@ def test_ttt_attention_recomputed_in_backward(monkeypatch):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = sum(logits.logsumexp(-1).mean() for _, logits in ttt_unroll(head, ids, aux, 4))
+            loss = sum(logits.logsumexp(-1).mean() for _, logits in ttt_unroll(head, ids, aux, 4, recompute))
         loss.backward()
         return [p.grad.clone() for p in head.parameters() if p.grad is not None], sum(saved.values())
 
-    got, saved = grads_and_saved()
-    monkeypatch.setattr(ttt, "checkpoint", lambda f, *a, use_reentrant: f(*a))
-    ref, saved_ref = grads_and_saved()
+    got, saved = grads_and_saved(True)
+    ref, saved_ref = grads_and_saved(False)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r)
     n_by_n = 2 * 4 * 64 * 64 * 4  # one step's fp32 (B, heads, n, n)
