@@ -53,7 +53,7 @@ def features(L, B):
     return model, ids, f
 
 
-def one(L, steps, B, iters, precision="fp32"):
+def one(L, steps, B, iters, precision="fp32", recompute=False):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
@@ -70,7 +70,8 @@ def one(L, steps, B, iters, precision="fp32"):
     tc = OmegaConf.structured(TrainConfig(ttt_steps=steps))
     scale = f["aux"].pow(2).mean((0, 1)).sqrt()
     loss_fn = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
-                        token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale)
+                        token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale,
+                        recompute_attention=recompute)
     draft = draft_ids_of(head.d2t)
     t2d_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft] = torch.arange(draft.numel())
@@ -111,31 +112,37 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--steps", type=int, nargs="+", default=[1, 3, 7])
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    # train.recompute_attention: off, on, or both (each setting run both ways, side by side in the table)
+    ap.add_argument("--recompute", choices=["off", "on", "both"], default="off")
+    ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2])))
+        print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on")))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
-                out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, "--batch",
-                                      str(a.batch), "--iters", str(a.iters)], capture_output=True, text=True, check=True)
-                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                print(rows[-1], flush=True)
-    lines = ["| seq len | batch | ttt_steps | precision | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['tokens_per_s']:.0f} | "
+                for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
+                    out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, "--batch",
+                                          str(a.batch), "--iters", str(a.iters)], capture_output=True, text=True,
+                                         check=True)
+                    rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
+                    print(rows[-1], flush=True)
+    lines = ["| seq len | batch | ttt_steps | precision | recompute attention | tokens/s | s/step | activations (MiB) | "
+             "peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['tokens_per_s']:.0f} | "
               f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
         for steps in a.steps:
-            t = {r["precision"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps}
+            t = {r["precision"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                 and r["recompute"] == rows[0]["recompute"]}
             if {"fp32", "bf16"} <= set(t):
                 checks.append(f"L={L}, ttt_steps={steps}: bf16 autocast / fp32 tokens/s = {t['bf16'] / t['fp32']:.2f}")
     for L in a.lengths:
-        m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]}
+        m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
+             and r["recompute"] == rows[0]["recompute"]}
         if not {1, 3, 7} <= set(m):
             continue
         per_a, per_b = (m[3] - m[1]) / 2, (m[7] - m[3]) / 4
