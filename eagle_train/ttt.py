@@ -88,6 +88,7 @@ def ttt_unroll(head, ids, aux, steps, recompute: bool = False):
                                                is_causal=True)
         else:
             ks.append(k), vs.append(v)
+            # copies of ks/vs: backward replays these arguments, and the lists grow at the next step
             o = (checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
                  if recompute and torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
