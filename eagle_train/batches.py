@@ -17,24 +17,26 @@ from eagle_train.target import target_id
 
 
 @torch.no_grad()
-def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant"):
+def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant", temperature=1.0):
     """Training targets. `valid` (B, L): positions whose token is trained on (`positions`: the
     assistant replies, or every real token). EAGLE-3 adds `p`, the target distribution at every
     position restricted to the draft vocabulary and renormalized, and `top1` (target ids); a
     position whose target top-1 lies outside the draft vocabulary is not valid (the head cannot
-    propose it). From the lean dump's top-k, `p` stays sparse: (draft ids, probs) each (B, L, k)."""
+    propose it). From the lean dump's top-k, `p` stays sparse: (draft ids, probs) each (B, L, k).
+    `temperature` < 1 sharpens `p` (p ** (1 / T), renormalized) toward the target's top-1; `top1` is unchanged."""
     real = b["attention_mask"].bool()
     b["valid"] = real & (b["loss_mask"].bool() if positions == "assistant" else real)
     if head_type == "eagle1":
         return b
     if "last" in b:
         last = b["last"].to(lm_head_w.dtype)
-        b["p"] = torch.softmax((last @ lm_head_w[draft_ids].T).float(), dim=-1)
+        b["p"] = torch.softmax((last @ lm_head_w[draft_ids].T).float() / temperature, dim=-1)
         flat = last.reshape(-1, last.shape[-1])  # exact full-vocabulary argmax, in chunks of tokens
         b["top1"] = torch.cat([(c @ lm_head_w.T).argmax(-1) for c in flat.split(chunk)]).view(last.shape[:2])
     else:
         didx = t2d_index[b["topk_ids"].long()]  # draft id or -1
-        probs = b["topk_logp"].float().exp() * (didx >= 0)
+        logp = b["topk_logp"].float()
+        probs = (logp - logp[..., :1]).div(temperature).exp() * (didx >= 0)  # relative to the top-1: no underflow
         b["p"] = (didx.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-20))
         b["top1"] = b["topk_ids"][..., 0].long()
     # p[t] predicts token t+1: token t+1 is learnable only if the target's top-1 at t is a draft token
@@ -61,13 +63,17 @@ def open_data(cfg, split):
         raise RecipeError("`train.extra_dumps` are read by offline training; set train.mode=offline "
                           "or leave train.extra_dumps empty")
     if cfg.train.mode == "offline":
-        folder = Path(cfg.dump.output) / ("eval" if split == "eval" else "")
+        held_out = cfg.train.eval_dump if split == "eval" else None
+        folder = Path(held_out or cfg.dump.output) / ("eval" if split == "eval" else "")
+        if held_out and not ((folder / "manifest.json").is_file() and len(FeatureDataset(folder)) > 0):
+            raise FileNotFoundError(f"`train.eval_dump` = {held_out}: no held-out samples at {folder} (a dump "
+                                    f"made with data.eval_fraction > 0 has them)")
         if not (folder / "manifest.json").is_file():
             if split == "eval":
                 return None
             raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
-        ds = FeatureDataset(folder)
+        ds = FeatureDataset(folder, key="train.eval_dump" if held_out else None)
         if split == "eval" and len(ds) == 0:
             return None
         if split == "train" and cfg.train.extra_dumps:

@@ -167,6 +167,9 @@ class TrainConfig:
     # data.skip_conversations and its own data.max_length); each must match the recipe's target, layers and
     # storage; the held-out split stays dump.output's
     extra_dumps: List[str] = field(default_factory=list)
+    # offline: take the held-out split from this dump folder instead of dump.output (a later corpus dumped with
+    # data.eval_fraction=0 and trained alone keeps the first corpus' held-out conversations: comparable curves)
+    eval_dump: Optional[str] = None
     # deepspeed (ZeRO, see `deepspeed`), ddp, or none (single process)
     engine: str = spec("deepspeed", one_of=("deepspeed", "ddp", "none"))
     # DeepSpeed ZeRO stage: 2 (default) or 3
@@ -227,6 +230,9 @@ class TrainConfig:
     project: str = "eagle-train"
     # wandb run name (None: wandb picks one)
     run_name: Optional[str] = None
+    # EAGLE-3: train on the target distribution sharpened as p ** (1 / T) (T < 1 weighs the target's top-1 more;
+    # held-out loss always uses T = 1)
+    target_temperature: float = spec(1.0, check="finite > 0")
     # positions trained on: assistant (the loss mask) or all (user turns too)
     loss_positions: str = spec("assistant", one_of=("assistant", "all"))
     # sort samples by length within windows of 64 batches: less padding

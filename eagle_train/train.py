@@ -75,6 +75,8 @@ def main(cfg, target=None, stop_after=None):
         for part in getattr(ds, "parts", [ds]):
             check_contract(part.manifest, expected, part.folder)
             expected = {**expected, "max_length": None}  # train.extra_dumps may be cut at another length
+        if tc.eval_dump and eval_data is not None:  # held-out features of another dump: the same contract
+            check_contract(eval_data[0].manifest, expected, eval_data[0].folder)
 
     torch.manual_seed(tc.seed)
     head = build_head(cfg.head, tconf)
@@ -109,11 +111,11 @@ def main(cfg, target=None, stop_after=None):
         t2d_index[draft_ids.cpu()] = torch.arange(draft_ids.numel())
     t2d_index, lm_head_w = t2d_index.to(dev), lm_head_w.to(dev)
 
-    def targets(b, positions=tc.loss_positions):
-        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=positions)
+    def targets(b, positions=tc.loss_positions, temperature=tc.target_temperature):
+        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=positions, temperature=temperature)
 
-    def held_out_targets(b):  # always the replies: what the head drafts at decode time, whatever it trains on
-        return targets(b, "assistant")
+    def held_out_targets(b):  # always the replies and the target's own distribution: comparable across recipes
+        return targets(b, "assistant", 1.0)
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,

@@ -170,6 +170,19 @@ def test_extra_dumps_train_with_the_first(tmp_path):
     with pytest.raises(DumpError, match=f"{tmp_path / 'c' / 'dump'}/manifest.json: the dump has target_digest"):
         train.main(bad, target=target)
 
+    # train.eval_dump: the second corpus trained alone keeps the first corpus' held-out split
+    def alone(eval_dump, out):
+        return load_recipe(None, tiny_args(tmp_path / "b", steps=4, extra=dumped + [
+            "data.max_length=64", f"train.eval_dump={eval_dump}", f"train.output={tmp_path / out}"]))
+    held, _ = open_data(alone(tmp_path / "a" / "dump", "b-a"), "eval")
+    assert held.folder == tmp_path / "a" / "dump" / "eval" and len(held) == len(open_data(cfg, "eval")[0]) > 0
+    m = train.main(alone(tmp_path / "a" / "dump", "b-a"), target=target)["metrics"]
+    assert "eval0/acc_0" in m and "eval/acc_0" in m
+    with pytest.raises(FileNotFoundError, match="`train.eval_dump` = .*no held-out samples"):
+        open_data(alone(tmp_path / "b" / "dump", "b-b"), "eval")
+    with pytest.raises(DumpError, match=f"{tmp_path / 'c' / 'dump' / 'eval'}/manifest.json: the dump has target_digest"):
+        train.main(alone(tmp_path / "c" / "dump", "b-c"), target=target)
+
 
 def smollm2_samples(tok, n=40, length=96):
     rows = []
@@ -315,3 +328,32 @@ def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
     with pytest.raises(Exception, match="head.init"):
         train.main(load_recipe(None, tiny_args(tmp_path / "c", extra=[f"head.init={first['final']}",
                                                                       "head.intermediate_size=32"])), target=target)
+
+
+def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
+    from eagle_train.batches import add_targets
+    g = torch.Generator().manual_seed(0)
+    V, H, B, L, k = 32, 8, 2, 6, 32
+    lm_head_w, last = torch.randn(V, H, generator=g), torch.randn(B, L, H, generator=g)
+    draft_ids = torch.arange(0, V, 2)  # every other token is a draft token
+    t2d_index = torch.full((V,), -1, dtype=torch.long)
+    t2d_index[draft_ids] = torch.arange(draft_ids.numel())
+    base = {"attention_mask": torch.ones(B, L, dtype=torch.long), "loss_mask": torch.ones(B, L, dtype=torch.long)}
+    logp = torch.log_softmax(last @ lm_head_w.T, -1).sort(-1, descending=True)
+
+    def both(T):
+        dense = add_targets({**base, "last": last}, "eagle3", lm_head_w, draft_ids, t2d_index, temperature=T)
+        sparse = add_targets({**base, "topk_ids": logp.indices[..., :k], "topk_logp": logp.values[..., :k]},
+                             "eagle3", lm_head_w, draft_ids, t2d_index, temperature=T)
+        ids, probs = sparse["p"]  # the full vocabulary is in the top-k here: the two must agree
+        as_dense = torch.zeros(B, L, draft_ids.numel()).scatter_add_(-1, ids, probs)
+        torch.testing.assert_close(as_dense, dense["p"], atol=1e-5, rtol=1e-4)
+        assert torch.equal(dense["top1"], sparse["top1"]) and torch.equal(dense["valid"], sparse["valid"])
+        return dense
+
+    p1, p_half = both(1.0)["p"], both(0.5)
+    torch.testing.assert_close(p_half["p"], p1 ** 2 / (p1 ** 2).sum(-1, keepdim=True), atol=1e-6, rtol=1e-5)
+    assert (p_half["p"].max(-1).values > p1.max(-1).values).all()  # sharper, same argmax
+    assert torch.equal(p_half["p"].argmax(-1), p1.argmax(-1))
+    with pytest.raises(Exception, match="train.target_temperature"):
+        load_recipe(None, ["train.target_temperature=0"])
