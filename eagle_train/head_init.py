@@ -15,15 +15,24 @@ from eagle_train.recipe import RecipeError
 INIT_NAMES = ("none", "lm_head", "last_layer")
 
 
+def widened(name: str, theirs: torch.Size, ours: torch.Size) -> bool:
+    """A start head's MLP narrower than the recipe's (`head.intermediate_size`): gate/up rows and
+    down columns it lacks are added (see `copy_start`); every other tensor must match exactly."""
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return theirs[1] == ours[1] and theirs[0] < ours[0]
+    return name.endswith("mlp.down_proj.weight") and theirs[0] == ours[0] and theirs[1] < ours[1]
+
+
 def start_head(init, head):
     """The head of folder `init` (a training output or an export) when `head.init` names one; its
-    trained tensors must have this recipe's shapes."""
+    trained tensors must have this recipe's shapes, but for a wider MLP (`widened`)."""
     if init in INIT_NAMES:
         return None
     start = load_head(init)
     theirs = start.state_dict()
     bad = [f"{k} {tuple(theirs[k].shape) if k in theirs else 'missing'} vs {tuple(p.shape)}"
-           for k, p in head.named_parameters() if p.requires_grad and (k not in theirs or theirs[k].shape != p.shape)]
+           for k, p in head.named_parameters() if p.requires_grad and (k not in theirs or (
+               theirs[k].shape != p.shape and not widened(k, theirs[k].shape, p.shape)))]
     if start.head_type != head.head_type or bad:
         raise RecipeError(f"head.init={init!r}: that {start.head_type} head does not fit this recipe's "
                           f"{head.head_type} head: {'; '.join(bad[:3]) or 'head type'}")
@@ -73,11 +82,27 @@ def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, 
         elif init == "last_layer":
             init_from_target(head, target(), feature_scale)
         elif start is not None:
-            for name, p in head.named_parameters():
-                if p.requires_grad:
-                    p.copy_(start.state_dict()[name].float())
+            copy_start(head, start)
             if feature_scale is not None:  # a saved fc has the scale folded in (trained_head); unfold it
                 head.fc.weight.mul_(feature_scale)
+
+
+def copy_start(head, start):
+    """`head` takes `start`'s trained tensors. A wider MLP keeps the start's units and adds new ones whose
+    down_proj columns are zero (their gate/up rows keep the fresh initialization): the head computes exactly
+    what `start` did, and training grows the new units from there (down first, then gate/up)."""
+    theirs = start.state_dict()
+    for name, p in head.named_parameters():
+        if not p.requires_grad:
+            continue
+        w = theirs[name].float()
+        if w.shape == p.shape:
+            p.copy_(w)
+        elif name.endswith("down_proj.weight"):
+            p.zero_()
+            p[:, :w.shape[1]] = w
+        else:
+            p[:w.shape[0]] = w
 
 
 def trained_head(cfg, tconf, head, state, feature_scale):

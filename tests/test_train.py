@@ -328,6 +328,16 @@ def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
     with pytest.raises(Exception, match="head.init"):
         train.main(load_recipe(None, tiny_args(tmp_path / "c", extra=[f"head.init={first['final']}",
                                                                       "head.intermediate_size=32"])), target=target)
+    # a wider MLP: the start head's units plus new ones that add nothing yet; the held-out metrics at step 0
+    # are the start head's to float precision, and the new units train
+    wide_width = 2 * a.config.intermediate_size
+    wide = train.main(load_recipe(None, tiny_args(tmp_path / "c", steps=3, extra=[
+        f"head.init={first['final']}", f"head.intermediate_size={wide_width}"])), target=target)
+    m = wide["metrics"]
+    assert abs(m["eval0/loss"] - trained["eval/loss"]) < 1e-4 and m["eval0/acc_0"] == trained["eval/acc_0"], m
+    w = load_head(wide["final"])
+    down = w.state_dict()["midlayer.mlp.down_proj.weight"]
+    assert w.config.intermediate_size == wide_width and down[:, a.config.intermediate_size:].abs().sum() > 0
 
 
 def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
