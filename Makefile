@@ -41,8 +41,9 @@ demo: install
 # the full recipe from scratch, each stage resumable: rerun `make full` after an interruption and it goes on where
 # it stopped. Phase 1: prep, dump (0.9M tokens) and 650 steps with 3 TTT steps; phase 2: 200 steps with 5 TTT steps
 # from that head; phase 3: a second corpus (the next 1,100 ShareGPT conversations, up to 1,280 tokens: 1.1M tokens)
-# prepared and dumped beside the first, one epoch over both dumps; then tree sweep, eval, export.
-# ~4.5 h on 2 CPU cores. The shipped head came from these three phases (bench/RESULTS.md).
+# prepared and dumped beside the first, one epoch over both dumps; phase 4: two more corpora (1.66M tokens), each
+# trained alone from the previous head; then tree sweep, eval, export.
+# ~6 h on 2 CPU cores. The shipped head came from these four phases (bench/RESULTS.md).
 OUT ?= outputs/smollm2-135m-eagle3
 FULL ?= output_dir=$(OUT)
 P2 ?= train.output=$(OUT)/train-ttt5 head.init=$(OUT)/train/final train.ttt_steps=5 train.learning_rate=3e-4 \
@@ -50,7 +51,18 @@ P2 ?= train.output=$(OUT)/train-ttt5 head.init=$(OUT)/train/final train.ttt_step
 MORE ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=1100 data.max_length=1280 \
         data.eval_fraction=0
 P3 ?= train.output=$(OUT)/train-more head.init=$(OUT)/train-ttt5/final train.ttt_steps=5 train.learning_rate=5e-4 \
-      train.warmup_steps=20 train.max_steps=327 'train.extra_dumps=[$(OUT)/more/dump]' eval.head=$(OUT)/train-more/final
+      train.warmup_steps=20 train.max_steps=327 'train.extra_dumps=[$(OUT)/more/dump]'
+# phase 4: two more corpora (ShareGPT conversations 2,901-3,540 and 3,541-4,640), each trained alone from the
+# previous head, both scored on the first corpus' held-out conversations (train.eval_dump)
+MORE3 ?= output_dir=$(OUT)/more3 data.skip_conversations=2900 data.max_conversations=640 data.max_length=1280 \
+         data.eval_fraction=0 target.dtype=bfloat16
+P4A ?= train.output=$(OUT)/train-more3 head.init=$(OUT)/train-more/final train.eval_dump=$(OUT)/dump \
+       train.ttt_steps=5 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=77
+MORE4 ?= output_dir=$(OUT)/more4 data.skip_conversations=3540 data.max_conversations=1100 data.max_length=1280 \
+         data.eval_fraction=0
+P4B ?= train.output=$(OUT)/train-more4 head.init=$(OUT)/train-more3/final train.eval_dump=$(OUT)/dump \
+       train.ttt_steps=5 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=100 train.recompute_attention=true
+HEAD4 ?= eval.head=$(OUT)/train-more4/final
 full: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(BIN)/eagle-train dump   $(RECIPE) $(FULL)
@@ -59,9 +71,15 @@ full: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL) $(MORE)
 	$(BIN)/eagle-train dump   $(RECIPE) $(FULL) $(MORE)
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(P3)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(P3)
-	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(P3)
-	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(P3)
+	$(BIN)/eagle-train prep   $(RECIPE) $(FULL) $(MORE3)
+	$(BIN)/eagle-train dump   $(RECIPE) $(FULL) $(MORE3)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(MORE3) $(P4A)
+	$(BIN)/eagle-train prep   $(RECIPE) $(FULL) $(MORE4)
+	$(BIN)/eagle-train dump   $(RECIPE) $(FULL) $(MORE4)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(MORE4) $(P4B)
+	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(HEAD4)
+	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(HEAD4)
+	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(HEAD4)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

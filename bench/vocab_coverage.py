@@ -1,0 +1,68 @@
+"""How much of the target's greedy choice a draft vocabulary of each size can propose.
+
+    python bench/vocab_coverage.py outputs/full/main/draft_vocab.safetensors outputs/regen/a/dump outputs/full/dump/eval
+
+The first argument is a training run's `draft_vocab.safetensors` (its `counts`: loss-masked token counts of the
+corpus the vocabulary was chosen on); each further argument a top-k dump (a split folder with manifest.json).
+For every assistant position of each dump, the target's top-1 (the token greedy decoding emits next) is ranked
+by that corpus count; the table gives the share of positions whose top-1 lies among the N most frequent tokens:
+the ceiling on depth-0 acceptance of a head with draft vocabulary N, whatever it learns. --record files it under
+`## Draft vocabulary coverage` in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from record import record  # noqa: E402  (bench/record.py)
+
+from eagle_train.dump_reader import FeatureDataset  # noqa: E402
+
+SIZES = (4096, 8192, 12288, 16384, 24576, 32768)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("vocab", help="draft_vocab.safetensors of a training run (holds the corpus counts)")
+    ap.add_argument("dumps", nargs="+", help="top-k dump folders")
+    ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args(argv)
+    from safetensors.torch import load_file
+
+    counts = load_file(args.vocab)["counts"]
+    rank = torch.empty_like(counts)  # token id -> rank by corpus count (ties: lower id first, as build_draft_vocab)
+    rank[torch.sort(-counts, stable=True).indices] = torch.arange(counts.numel())
+    rows = []
+    for folder in args.dumps:
+        ds = FeatureDataset(folder)
+        if "topk_ids" not in ds[0]:
+            raise SystemExit(f"{folder}: not a top-k dump (dump.storage=topk keeps the target's top-1)")
+        top1 = torch.cat([x["topk_ids"][:, 0][x["loss_mask"].bool()] for x in (ds[i] for i in range(len(ds)))])
+        r = rank[top1]
+        rows.append((folder, top1.numel(), [float((r < n).float().mean()) for n in args.sizes]))
+
+    lines = [f"`python bench/vocab_coverage.py {shlex.join(sys.argv[1:] if argv is None else argv)}` "
+             f"({time.strftime('%Y-%m-%d')}): share of assistant positions whose target top-1 is among the N most "
+             f"frequent tokens of the vocabulary's corpus ({int(counts.sum()):,} counted tokens)", "",
+             "| dump | positions | " + " | ".join(f"N={n:,}" for n in args.sizes) + " |",
+             "|---|---|" + "---|" * len(args.sizes)]
+    for folder, n, cover in rows:
+        lines.append(f"| {folder} | {n:,} | " + " | ".join(f"{c:.3f}" for c in cover) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if args.record:
+        record("Draft vocabulary coverage", text)
+
+
+if __name__ == "__main__":
+    main()
