@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from record import record  # noqa: E402  (bench/record.py)
+from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train import train  # noqa: E402
 from eagle_train.recipe_load import load_recipe  # noqa: E402
@@ -61,10 +61,7 @@ def main(argv=None):
     for label, m, _ in rows:
         lines.append(f"| {label} | {m['eval0/loss']:.3f} | "
                      + " | ".join(f"{m.get(f'eval0/acc_{k}', float('nan')):.4f}" for k in range(steps)) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if args.record:
-        record("Held-out accuracy", text)
+    publish("Held-out accuracy", lines, args.record)
 
 
 if __name__ == "__main__":

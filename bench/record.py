@@ -16,3 +16,11 @@ def record(section: str, text: str, results: Path = RESULTS) -> None:
     entry = text.strip("\n") + "\n\n"
     doc = doc.replace(head, head + entry, 1) if head in doc else doc.rstrip("\n") + "\n\n" + head + entry
     atomic_write_text(results, doc.rstrip("\n") + "\n")
+
+
+def publish(section: str, lines, to_results: bool) -> None:
+    """Print a bench table; with `to_results` (a script's --record) also file it under `## section`."""
+    text = "\n".join(lines)
+    print(text)
+    if to_results:
+        record(section, text)

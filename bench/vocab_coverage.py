@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from record import record  # noqa: E402  (bench/record.py)
+from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.dump_reader import FeatureDataset  # noqa: E402
 
@@ -58,10 +58,7 @@ def main(argv=None):
              "|---|---|" + "---|" * len(args.sizes)]
     for folder, n, cover in rows:
         lines.append(f"| {folder} | {n:,} | " + " | ".join(f"{c:.3f}" for c in cover) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if args.record:
-        record("Draft vocabulary coverage", text)
+    publish("Draft vocabulary coverage", lines, args.record)
 
 
 if __name__ == "__main__":
