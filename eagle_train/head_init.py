@@ -18,6 +18,8 @@ INIT_NAMES = ("none", "lm_head", "last_layer")
 def widened(name: str, theirs: torch.Size, ours: torch.Size) -> bool:
     """A start head's MLP narrower than the recipe's (`head.intermediate_size`): gate/up rows and
     down columns it lacks are added (see `copy_start`); every other tensor must match exactly."""
+    if name == "lm_head.weight":  # EAGLE-3: a larger head.draft_vocab_size extends the start's vocabulary
+        return theirs[1] == ours[1] and theirs[0] < ours[0]
     if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
         return theirs[1] == ours[1] and theirs[0] < ours[0]
     return name.endswith("mlp.down_proj.weight") and theirs[0] == ours[0] and theirs[1] < ours[1]
@@ -82,15 +84,17 @@ def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, 
         elif init == "last_layer":
             init_from_target(head, target(), feature_scale)
         elif start is not None:
-            copy_start(head, start)
+            copy_start(head, start, lm_head_w)
             if feature_scale is not None:  # a saved fc has the scale folded in (trained_head); unfold it
                 head.fc.weight.mul_(feature_scale)
 
 
-def copy_start(head, start):
+def copy_start(head, start, lm_head_w=None):
     """`head` takes `start`'s trained tensors. A wider MLP keeps the start's units and adds new ones whose
     down_proj columns are zero (their gate/up rows keep the fresh initialization): the head computes exactly
-    what `start` did, and training grows the new units from there (down first, then gate/up)."""
+    what `start` did, and training grows the new units from there (down first, then gate/up). A larger
+    draft vocabulary (its d2t set already, the start's tokens among it) keeps each old token's lm_head row;
+    a new token's row is the target's lm_head row mapped by the least-squares fit of the old rows on theirs."""
     theirs = start.state_dict()
     for name, p in head.named_parameters():
         if not p.requires_grad:
@@ -98,6 +102,17 @@ def copy_start(head, start):
         w = theirs[name].float()
         if w.shape == p.shape:
             p.copy_(w)
+        elif name == "lm_head.weight":
+            ours_ids, old_ids = draft_ids_of(head.d2t), draft_ids_of(start.d2t)
+            rows = torch.searchsorted(ours_ids, old_ids)  # draft ids ascend with target ids
+            if not torch.equal(ours_ids[rows.clamp(max=len(ours_ids) - 1)], old_ids):
+                raise RecipeError("head.draft_vocab_size: the extended draft vocabulary lost tokens of head.init's")
+            new = torch.ones(len(ours_ids), dtype=torch.bool)
+            new[rows] = False
+            tgt = lm_head_w.float()
+            fit = torch.linalg.lstsq(tgt[old_ids], w).solution  # (H, H): target row -> head row
+            p[rows] = w
+            p[new] = tgt[ours_ids[new]] @ fit
         elif name.endswith("down_proj.weight"):
             p.zero_()
             p[:, :w.shape[1]] = w

@@ -145,9 +145,12 @@ class HeadConfig:
     # layer i-1); None: [2, N//2, N-3] for an N-layer target. Engines count decoder-layer outputs,
     # so the export writes these minus one.
     aux_layers: Optional[List[int]] = None
-    # EAGLE-3 draft vocabulary size (capped at the target vocabulary)
+    # EAGLE-3 draft vocabulary size (capped at the target vocabulary). Larger than a head.init folder's: its
+    # vocabulary is extended with this corpus' most frequent other tokens (lm_head rows of new tokens start from the
+    # target's, mapped by a least-squares fit of the head's rows on the target's)
     draft_vocab_size: int = spec(32000, check="> 0")
-    # MLP width of the draft decoder layer (None: the target's)
+    # MLP width of the draft decoder layer (None: the target's). Wider than a head.init folder's: new units
+    # start with zero down_proj columns (the head computes what it did)
     intermediate_size: Optional[int] = None
     # initial weights: none (random draft layer and lm_head), lm_head (EAGLE-3 norm + lm_head start
     # from the target's final norm and lm_head rows of the draft vocabulary), last_layer (lm_head, plus

@@ -90,9 +90,12 @@ def main(cfg, target=None, stop_after=None):
         check_resume_contract(ckpt, saved, contract)
     start = start_head(cfg.head.init, head)  # head.init = a head folder: fine-tune that head
     if head_type == "eagle3":  # the draft vocabulary: the start head's (part of what it learned), else counted
-        head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None else shared_draft_vocab(
+        grow = start is not None and head.d2t.numel() > start.d2t.numel()  # a larger head.draft_vocab_size
+        head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None and not grow else shared_draft_vocab(
             accelerator, out / "draft_vocab.safetensors",
-            lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size), cfg.head.draft_vocab_size)))
+            # extending a start head: its tokens first (counted above any corpus count), then this corpus' most frequent
+            lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)
+            + (start.t2d.long() * (1 << 40) if grow else 0), cfg.head.draft_vocab_size)))
     aux_layers = head.config.aux_layers if head_type == "eagle3" else None
 
     def features(b):  # online mode: the frozen target's features of the batch, computed here

@@ -339,6 +339,26 @@ def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
     down = w.state_dict()["midlayer.mlp.down_proj.weight"]
     assert w.config.intermediate_size == wide_width and down[:, a.config.intermediate_size:].abs().sum() > 0
 
+    # a larger draft vocabulary: the start's tokens keep their lm_head rows, the corpus' next most frequent join
+    # (their rows mapped from the target's lm_head), and the grown head trains and saves
+    from eagle_train.draft_vocab import draft_ids_of
+    from eagle_train.head_init import copy_start
+    write_corpus(synthetic(), tmp_path / "d" / "data")
+    grown = train.main(load_recipe(None, tiny_args(tmp_path / "d", steps=2, extra=[
+        f"head.init={first['final']}", "head.draft_vocab_size=96"])), target=target)
+    g = load_head(grown["final"])
+    ids, old = draft_ids_of(g.d2t), draft_ids_of(a.d2t)
+    assert len(ids) == 96 and g.t2d[old].all()
+    head = Eagle3Head(Eagle3Config(**{**a.config.__dict__, "draft_vocab_size": 96}))
+    head.set_draft_vocab(g.d2t, g.t2d)
+    with torch.no_grad():
+        copy_start(head, a, target.lm_head.weight)
+    rows = torch.searchsorted(ids, old)
+    added = torch.ones(96, dtype=torch.bool)
+    added[rows] = False
+    assert torch.equal(head.lm_head.weight[rows], a.lm_head.weight.float())
+    assert head.lm_head.weight[added].isfinite().all() and head.lm_head.weight[added].abs().sum() > 0
+
 
 def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
     from eagle_train.batches import add_targets
