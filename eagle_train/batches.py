@@ -65,15 +65,18 @@ def open_data(cfg, split):
     if cfg.train.mode == "offline":
         held_out = cfg.train.eval_dump if split == "eval" else None
         folder = Path(held_out or cfg.dump.output) / ("eval" if split == "eval" else "")
-        if held_out and not ((folder / "manifest.json").is_file() and len(FeatureDataset(folder)) > 0):
-            raise FileNotFoundError(f"`train.eval_dump` = {held_out}: no held-out samples at {folder} (a dump "
-                                    f"made with data.eval_fraction > 0 has them)")
+        if held_out:  # named by the recipe: a missing or empty held-out split is an error, not "no metrics"
+            ds = FeatureDataset(folder, key="train.eval_dump")
+            if len(ds) == 0:
+                raise FileNotFoundError(f"`train.eval_dump` = {held_out}: no held-out samples at {folder} (a dump "
+                                        f"made with data.eval_fraction > 0 has them)")
+            return ds, collate
         if not (folder / "manifest.json").is_file():
             if split == "eval":
                 return None
             raise FileNotFoundError(f"no dump at {folder} (train.mode=offline reads dump.output); create it with "
                                     f"`eagle-train dump <recipe>` or train with train.mode=online")
-        ds = FeatureDataset(folder, key="train.eval_dump" if held_out else None)
+        ds = FeatureDataset(folder)
         if split == "eval" and len(ds) == 0:
             return None
         if split == "train" and cfg.train.extra_dumps:

@@ -11,7 +11,7 @@ unused target ids (deterministic; the head then simply never sees those tokens a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
@@ -28,12 +28,16 @@ def count_tokens(samples: Iterable[Tuple[object, object]], vocab_size: int) -> t
     return counts
 
 
-def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(d2t (Vd,) int64 offsets, t2d (V,) bool) for the `draft_vocab_size` most frequent tokens.
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
+                      keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d2t (Vd,) int64 offsets, t2d (V,) bool) for the `draft_vocab_size` most frequent tokens;
+    `keep` (V,) bool: tokens chosen before any other (a head's vocabulary being extended).
 
     Ties are broken by the lower token id; the size is capped at the target vocabulary."""
     vocab_size = counts.numel()
     size = min(draft_vocab_size, vocab_size)
+    if keep is not None:  # ranked above every count
+        counts = counts + keep.long() * (int(counts.sum()) + 1)
     # stable sort on -count keeps lower ids first among equal counts
     order = torch.sort(-counts, stable=True).indices
     seen = int((counts > 0).sum())

@@ -16,11 +16,10 @@ INIT_NAMES = ("none", "lm_head", "last_layer")
 
 
 def widened(name: str, theirs: torch.Size, ours: torch.Size) -> bool:
-    """A start head's MLP narrower than the recipe's (`head.intermediate_size`): gate/up rows and
-    down columns it lacks are added (see `copy_start`); every other tensor must match exactly."""
-    if name == "lm_head.weight":  # EAGLE-3: a larger head.draft_vocab_size extends the start's vocabulary
-        return theirs[1] == ours[1] and theirs[0] < ours[0]
-    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+    """A start head narrower than the recipe's: an MLP (`head.intermediate_size`: gate/up rows and down
+    columns it lacks) or, EAGLE-3, a draft vocabulary (`head.draft_vocab_size`: lm_head rows) that
+    `copy_start` grows; every other tensor must match exactly."""
+    if name == "lm_head.weight" or name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
         return theirs[1] == ours[1] and theirs[0] < ours[0]
     return name.endswith("mlp.down_proj.weight") and theirs[0] == ours[0] and theirs[1] < ours[1]
 

@@ -93,9 +93,8 @@ def main(cfg, target=None, stop_after=None):
         grow = start is not None and head.d2t.numel() > start.d2t.numel()  # a larger head.draft_vocab_size
         head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None and not grow else shared_draft_vocab(
             accelerator, out / "draft_vocab.safetensors",
-            # extending a start head: its tokens first (counted above any corpus count), then this corpus' most frequent
-            lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size)
-            + (start.t2d.long() * (1 << 40) if grow else 0), cfg.head.draft_vocab_size)))
+            lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size), cfg.head.draft_vocab_size,
+            keep=start.t2d if grow else None)))  # extending a start head: its tokens, then this corpus' most frequent
     aux_layers = head.config.aux_layers if head_type == "eagle3" else None
 
     def features(b):  # online mode: the frozen target's features of the batch, computed here
