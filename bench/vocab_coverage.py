@@ -6,8 +6,9 @@ The first argument is a training run's `draft_vocab.safetensors` (its `counts`: 
 corpus the vocabulary was chosen on); each further argument a top-k dump (a split folder with manifest.json).
 For every assistant position of each dump, the target's top-1 (the token greedy decoding emits next) is ranked
 by that corpus count; the table gives the share of positions whose top-1 lies among the N most frequent tokens:
-the ceiling on depth-0 acceptance of a head with draft vocabulary N, whatever it learns. --record files it under
-`## Draft vocabulary coverage` in bench/RESULTS.md.
+the ceiling on depth-0 acceptance of a head with draft vocabulary N, whatever it learns. `--heads FOLDER...` adds a
+column per trained head: the share its own vocabulary (`t2d`) covers, e.g. one extended with `head.draft_vocab_size`.
+--record files it under `## Draft vocabulary coverage` in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -35,9 +36,18 @@ def main(argv=None):
     ap.add_argument("vocab", help="draft_vocab.safetensors of a training run (holds the corpus counts)")
     ap.add_argument("dumps", nargs="+", help="top-k dump folders")
     ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
+    ap.add_argument("--heads", nargs="*", default=[], help="head folders: the coverage of each one's vocabulary")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args(argv)
+    from safetensors import safe_open
     from safetensors.torch import load_file
+
+    t2d = []  # each head's target id -> in its draft vocabulary
+    for head in args.heads:
+        with safe_open(str(Path(head) / "model.safetensors"), "pt") as f:
+            if "t2d" not in f.keys():
+                raise SystemExit(f"{head}/model.safetensors: no t2d tensor (not an EAGLE-3 head)")
+            t2d.append(f.get_tensor("t2d").bool())
 
     counts = load_file(args.vocab)["counts"]
     rank = torch.empty_like(counts)  # token id -> rank by corpus count (ties: lower id first, as build_draft_vocab)
@@ -49,13 +59,14 @@ def main(argv=None):
             raise SystemExit(f"{folder}: not a top-k dump (dump.storage=topk keeps the target's top-1)")
         top1 = torch.cat([x["topk_ids"][:, 0][x["loss_mask"].bool()] for x in (ds[i] for i in range(len(ds)))])
         r = rank[top1]
-        rows.append((folder, top1.numel(), [float((r < n).float().mean()) for n in args.sizes]))
+        rows.append((folder, top1.numel(), [float((r < n).float().mean()) for n in args.sizes]
+                     + [float(m[top1].float().mean()) for m in t2d]))
 
     lines = [f"`python bench/vocab_coverage.py {shlex.join(sys.argv[1:] if argv is None else argv)}` "
              f"({time.strftime('%Y-%m-%d')}): share of assistant positions whose target top-1 is among the N most "
              f"frequent tokens of the vocabulary's corpus ({int(counts.sum()):,} counted tokens)", "",
-             "| dump | positions | " + " | ".join(f"N={n:,}" for n in args.sizes) + " |",
-             "|---|---|" + "---|" * len(args.sizes)]
+             "| dump | positions | " + " | ".join([f"N={n:,}" for n in args.sizes] + args.heads) + " |",
+             "|---|---|" + "---|" * (len(args.sizes) + len(args.heads))]
     for folder, n, cover in rows:
         lines.append(f"| {folder} | {n:,} | " + " | ".join(f"{c:.3f}" for c in cover) + " |")
     publish("Draft vocabulary coverage", lines, args.record)
