@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from record import publish  # noqa: E402  (bench/record.py)
 
+from eagle_train.draft_vocab import build_draft_vocab, load_draft_vocab  # noqa: E402
 from eagle_train.dump_reader import FeatureDataset  # noqa: E402
 
 SIZES = (4096, 8192, 12288, 16384, 24576, 32768)
@@ -39,28 +40,24 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="*", default=[], help="head folders: the coverage of each one's vocabulary")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args(argv)
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    t2d = []  # each head's target id -> in its draft vocabulary
-    for head in args.heads:
-        with safe_open(str(Path(head) / "model.safetensors"), "pt") as f:
-            if "t2d" not in f.keys():
-                raise SystemExit(f"{head}/model.safetensors: no t2d tensor (not an EAGLE-3 head)")
-            t2d.append(f.get_tensor("t2d").bool())
-
     counts = load_file(args.vocab)["counts"]
-    rank = torch.empty_like(counts)  # token id -> rank by corpus count (ties: lower id first, as build_draft_vocab)
-    rank[torch.sort(-counts, stable=True).indices] = torch.arange(counts.numel())
+    # the vocabulary training builds at each size (build_draft_vocab), then each head's own
+    vocabs = [build_draft_vocab(counts, n)[1] for n in args.sizes]
+    for head in args.heads:
+        path = Path(head) / "model.safetensors"
+        try:
+            vocabs.append(load_draft_vocab(path)[1].bool())
+        except KeyError:
+            raise SystemExit(f"{path}: no d2t/t2d tensors (not an EAGLE-3 head)") from None
     rows = []
     for folder in args.dumps:
         ds = FeatureDataset(folder)
         if "topk_ids" not in ds[0]:
             raise SystemExit(f"{folder}: not a top-k dump (dump.storage=topk keeps the target's top-1)")
         top1 = torch.cat([x["topk_ids"][:, 0][x["loss_mask"].bool()] for x in (ds[i] for i in range(len(ds)))])
-        r = rank[top1]
-        rows.append((folder, top1.numel(), [float((r < n).float().mean()) for n in args.sizes]
-                     + [float(m[top1].float().mean()) for m in t2d]))
+        rows.append((folder, top1.numel(), [float(t2d[top1].float().mean()) for t2d in vocabs]))
 
     lines = [f"`python bench/vocab_coverage.py {shlex.join(sys.argv[1:] if argv is None else argv)}` "
              f"({time.strftime('%Y-%m-%d')}): share of assistant positions whose target top-1 is among the N most "
