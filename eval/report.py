@@ -82,6 +82,10 @@ def report_markdown(rep: dict) -> str:
                   + ", ".join(f"{i}: {n}" for i, n in enumerate(r["accept_hist"]))]
         if r.get("tau_by_turn"):
             lines += ["", "tau by turn: " + ", ".join(f"turn {t}: {v:.2f}" for t, v in r["tau_by_turn"].items())]
+        if r.get("tau_by_position"):
+            lines += ["", "tau by reply position (where a target pass starts; later tokens are easier to draft, so "
+                      "tau grows with eval.max_new_tokens): "
+                      + ", ".join(f"{b}: {v:.2f}" for b, v in r["tau_by_position"].items())]
         if r.get("time_split"):
             ts = r["time_split"]
             lines += ["", f"head's time: draft {100 * ts['draft']:.0f}%, verify {100 * ts['verify']:.0f}%, "

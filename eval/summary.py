@@ -1,6 +1,6 @@
 """Summaries of an acceptance evaluation: tau and speedup per method from per-prompt sums, 95%
-bootstrap intervals over prompts, the head's acceptance by depth / by turn / time split, per-category
-rows and the plain verdict against prompt lookup."""
+bootstrap intervals over prompts, the head's acceptance by depth / by turn / by reply position / time
+split, per-category rows and the plain verdict against prompt lookup."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import List
 import numpy as np
 
 BOOTSTRAP = 1000
+# where in the reply a target pass starts: a small head accepts far less in a reply's opening tokens
+# than later on (bench/RESULTS.md "## Where in a reply the head is accepted"), so tau depends on the length
+POSITION_BUCKETS = (0, 32, 96, 192, 384)
 
 
 def _emitted_passes(res: dict, name: str):
@@ -63,6 +66,21 @@ def summarize_method(records: List[dict], name: str, seed: int = 0) -> dict:
     return out
 
 
+def tau_by_position(records: List[dict]) -> dict:
+    """The head's tau over the passes starting in each reply-position bucket ("0-31", ..., "384+").
+    The prefill emits reply token 0, so the first drafting pass starts at position 1."""
+    sums = defaultdict(lambda: [0, 0])
+    for r in records:
+        pos = 1
+        for a in r["methods"]["head"]["accept_lengths"]:
+            lo = max(b for b in POSITION_BUCKETS if b <= pos)
+            sums[lo][0] += a + 1
+            sums[lo][1] += 1
+            pos += a + 1
+    hi = dict(zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]))
+    return {(f"{lo}-{hi[lo] - 1}" if lo in hi else f"{lo}+"): e / n for lo, (e, n) in sorted(sums.items())}
+
+
 def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
     """The head's row (tau, speedup with CIs, accept rate per depth given the parent was accepted,
     histogram, tau by turn, draft/verify split) and one row per baseline drafter."""
@@ -85,6 +103,7 @@ def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
            "tokens_per_s_vanilla": float(base[:, 4].sum() / max(1e-9, base[:, 5].sum())),
            "accept_by_depth": by_depth, "accept_hist": hist,
            "tau_by_turn": {str(t): sum(a + 1 for a in v) / max(1, len(v)) for t, v in sorted(turns.items())},
+           "tau_by_position": tau_by_position(records),
            "time_split": {"draft": t_draft / max(1e-9, t_all), "verify": t_verify / max(1e-9, t_all),
                           "other": max(0.0, 1 - (t_draft + t_verify) / max(1e-9, t_all))}}
     out["baselines"] = {m: summarize_method(records, m, seed) for m in records[0]["methods"]

@@ -229,3 +229,39 @@ def test_node_cap_is_the_dynamic_trees_candidate_count():
     assert max_tree_nodes(SpecConfig(tree="dynamic", topk=4, depth=5, num_draft_tokens=16)) == 16
     assert max_tree_nodes(SpecConfig(tree="chain", depth=5, num_draft_tokens=16)) == 5
     assert max_tree_nodes(SpecConfig(tree="static", static_tree=[[0], [1], [0, 0]])) == 3
+
+
+def test_decoder_accepts_what_the_head_predicts_teacher_forced(smollm2, prompts_and_refs):
+    """The shipped head, fp32: a chain of 1 accepts at a pass exactly when the head, run once over
+    prompt + greedy answer with the target's features (as training reads them), predicts that reply
+    token. Catches a decoder that feeds the head shifted features, tokens or positions: it would
+    stay lossless but accept less than the head has learned."""
+    from eagle_train.decoding import head_aux_layers, target_forward
+    from eagle_train.heads import load_head
+    from transformers import DynamicCache
+
+    model, tok = smollm2
+    head = load_head("heads/smollm2-135m-instruct-eagle3", target=model).float().eval()
+    aux = head_aux_layers(head)
+    hits_total = 0
+    for ids, ref in prompts_and_refs:
+        full = torch.cat([ids, torch.tensor([ref])], dim=1)
+        with torch.no_grad():
+            logits, feats = target_forward(model, full, DynamicCache(), aux)
+            _, draft, _ = head(full[:, 1:], feats[None, :-1], torch.arange(full.shape[1] - 1)[None])
+        pred = head.draft_to_target(draft[0].argmax(-1))  # pred[t] guesses token t + 2
+        P = ids.shape[1]
+        hit = [int(pred[P + i - 2]) == ref[i] for i in range(1, len(ref))]  # reply token i, i >= 1
+        assert [int(x) for x in logits.argmax(-1)[P - 1:-1]] == ref  # the features are of the greedy text
+        expect, i = [], 1
+        while i < len(ref):  # a pass rooted at reply token i - 1 drafts token i; a hit also emits i + 1
+            expect.append(int(hit[i - 1]))
+            i += 2 if hit[i - 1] else 1
+        out, stats = speculative_generate(model, head, ids, SpecConfig(tree="chain", depth=1, max_new_tokens=MAX_NEW),
+                                          eos_token_id=tok.eos_token_id)
+        assert out == ref
+        n = len(stats["accept_lengths"])
+        # the budget can cut the last pass's draft; every earlier pass matches exactly
+        assert stats["accept_lengths"][:n - 1] == expect[:n - 1]
+        hits_total += sum(expect)
+    assert hits_total >= 10  # the head does predict the target: the comparison is not all misses

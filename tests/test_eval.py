@@ -123,7 +123,7 @@ def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch
         assert h["n"] == (1 + sum(a + 1 for a in h["accept_lengths"]) if h["passes"] else h["n"])
     md = (out / "report.md").read_text()
     assert "Does the head beat prompt lookup?" in md and "prompt lookup (3 tokens)" in md and "load average" in md
-    assert "humaneval" in md and "tau by turn" in md
+    assert "humaneval" in md and "tau by turn" in md and "tau by reply position" in md
     for name in report_mod.PLOTS:
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
@@ -212,6 +212,28 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
 def test_missing_head_names_the_train_command(tmp_path, monkeypatch, smollm2):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
     assert run_stage("eval", [RECIPE, f"eval.head={tmp_path / 'nope'}", f"eval.output={tmp_path}"]) == 2
+
+
+def test_tau_by_position_buckets_passes_by_where_they_start():
+    """Passes fall in the bucket of the reply position they start at (the prefill emits token 0)."""
+    from eagle_train.eval.summary import tau_by_position
+
+    # turn A: passes start at 1, 4, 5 and then every 2 tokens up to 101; turn B: one pass at 1
+    a = [2, 0] + [1] * 48
+    recs = [{"methods": {"head": {"accept_lengths": a}}}, {"methods": {"head": {"accept_lengths": [3]}}}]
+    got = tau_by_position(recs)
+    starts, pos = [], 1
+    for x in a:
+        starts.append(pos)
+        pos += x + 1
+    early = [x + 1 for x, s in zip(a, starts) if s < 32] + [4]
+    mid = [x + 1 for x, s in zip(a, starts) if 32 <= s < 96]
+    late = [x + 1 for x, s in zip(a, starts) if s >= 96]
+    assert list(got) == ["0-31", "32-95", "96-191"]
+    assert got["0-31"] == pytest.approx(sum(early) / len(early))
+    assert got["32-95"] == pytest.approx(sum(mid) / len(mid)) == 2.0
+    assert got["96-191"] == pytest.approx(sum(late) / len(late))
+    assert tau_by_position([{"methods": {"head": {"accept_lengths": [0] * 500}}}])["384+"] == 1.0
 
 
 def test_first_difference():

@@ -1,0 +1,129 @@
+"""Where in a reply a head predicts the target: top-1 accuracy by reply position, on the target's own greedy text.
+
+    python bench/reply_position.py recipes/smollm2-135m-eagle3.yaml heads/smollm2-135m-instruct-eagle3 \\
+        --sets mt_bench alpaca qa --prompts 5 --new-tokens 384 -- eval.benchmark_dir=../shared/data/eagle_eval
+
+The target answers each prompt's first turn greedily (`eval.target_dtype`); each head then reads that text once,
+teacher-forced with the target's features (as training does), and its top-1 for every reply token is compared with
+the target's top-1: the depth-0 acceptance a chain of 1 would get there (tests/test_decoding.py checks that the
+decoder accepts exactly these). Positions are bucketed like the eval report's tau by reply position. "copyable":
+the 3 tokens before it occurred earlier in prompt + reply and were followed by this token then, i.e. prompt lookup
+would propose it (repeats and loops). --record files the table under `## Accuracy by reply position`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from record import publish  # noqa: E402  (bench/record.py)
+
+from eagle_train.baselines import vanilla_generate  # noqa: E402
+from eagle_train.decoding import head_aux_layers, target_forward  # noqa: E402
+from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
+from eagle_train.eval.summary import POSITION_BUCKETS  # noqa: E402
+from eagle_train.heads import load_head  # noqa: E402
+from eagle_train.recipe_load import load_recipe  # noqa: E402
+from eagle_train.target import load_target  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+NGRAM = 3
+
+
+def copyable(seq, start):
+    """For each position i >= start of seq: the NGRAM tokens before i occurred earlier, followed by seq[i]
+    at their latest earlier occurrence (what prompt lookup would propose)."""
+    last, out = {}, []
+    for i in range(NGRAM, len(seq)):
+        key = tuple(seq[i - NGRAM:i])
+        if i >= start:
+            out.append(key in last and seq[last[key]] == seq[i])
+        last[key] = i
+    return out
+
+
+def bucket(r):
+    return max(b for b in POSITION_BUCKETS if b <= r)
+
+
+def label(lo):
+    hi = dict(zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]))
+    return f"{lo}-{hi[lo] - 1}" if lo in hi else f"{lo}+"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("recipe")
+    ap.add_argument("heads", nargs="+")
+    ap.add_argument("--labels", nargs="*", default=None)
+    ap.add_argument("--sets", nargs="+", default=["mt_bench", "alpaca", "qa"])
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=384)
+    ap.add_argument("--record", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, overrides = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    labels = args.labels or args.heads
+    if len(labels) != len(args.heads):
+        ap.error(f"{len(labels)} labels for {len(args.heads)} heads")
+    cfg = load_recipe(args.recipe, overrides)
+    model, tok = load_target(OmegaConf.merge(cfg.target, {"dtype": cfg.eval.target_dtype or cfg.target.dtype}))
+    model.eval()
+    heads = []
+    for h in args.heads:
+        head = load_head(h, target=model).to(model.dtype).eval()
+        heads.append(head)
+    aux = head_aux_layers(heads[0])
+    if any(head_aux_layers(h) != aux for h in heads):
+        raise SystemExit("the heads read different target layers: compare them in separate runs")
+    # (set, bucket or "copyable"/"other") -> [positions, hits per head]
+    rows = {}
+    t0 = time.perf_counter()
+    for name in args.sets:
+        for p in load_prompts(resolve_benchmark(name, cfg.eval.benchmark_dir), args.prompts):
+            ids = render(tok, [{"role": "user", "content": p["turns"][0]}])
+            gen = vanilla_generate(model, ids, args.new_tokens, eos_token_id=tok.eos_token_id)
+            full = torch.cat([ids, torch.tensor([gen])], dim=1)
+            P, L = ids.shape[1], full.shape[1]
+            with torch.no_grad():
+                logits, feats = target_forward(model, full, DynamicCache(), aux)
+                top = logits.argmax(-1)  # top[t]: the target's greedy token t + 1
+                hits = []
+                for head in heads:
+                    _, draft, _ = head(full[:, 1:], feats[None, :-1], torch.arange(L - 1)[None])
+                    hits.append(head.draft_to_target(draft[0].argmax(-1))[P - 1:L - 2] == top[P:L - 1])
+            # reply tokens 1..len(gen)-1 (token 0 is the prefill's own, never drafted)
+            copy = copyable(full[0].tolist(), P + 1)
+            for j in range(len(gen) - 1):
+                for key in ((name, label(bucket(j + 1))), (name, "copyable" if copy[j] else "other")):
+                    row = rows.setdefault(key, [0] + [0] * len(heads))
+                    row[0] += 1
+                    for k, h in enumerate(hits):
+                        row[1 + k] += int(h[j])
+            print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+    order = [label(b) for b in POSITION_BUCKETS] + ["copyable", "other"]
+    lines = [f"`python bench/reply_position.py {shlex.join(argv)}`: {args.prompts} first turns per set, "
+             f"{args.new_tokens} new tokens, target {cfg.eval.target_dtype or cfg.target.dtype}, "
+             f"{time.strftime('%Y-%m-%d')}", "",
+             "| set | reply positions | tokens | " + " | ".join(f"acc_0 {x}" for x in labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
+    for name in args.sets:
+        for what in order:
+            if (name, what) in rows:
+                n, *h = rows[(name, what)]
+                lines.append(f"| {name} | {what} | {n} | " + " | ".join(f"{x / n:.3f}" for x in h) + " |")
+    publish("Accuracy by reply position", lines, args.record)
+
+
+if __name__ == "__main__":
+    main()
