@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
-from eagle_train.decoding import head_aux_layers, target_forward  # noqa: E402
+from eagle_train.decoding import head_aux_layers, target_forward, teacher_forced_drafts  # noqa: E402
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
-from eagle_train.eval.summary import POSITION_BUCKETS  # noqa: E402
+from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
 from eagle_train.recipe_load import load_recipe  # noqa: E402
 from eagle_train.target import load_target  # noqa: E402
@@ -51,15 +51,6 @@ def copyable(seq, start):
     return out
 
 
-def bucket(r):
-    return max(b for b in POSITION_BUCKETS if b <= r)
-
-
-def label(lo):
-    hi = dict(zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]))
-    return f"{lo}-{hi[lo] - 1}" if lo in hi else f"{lo}+"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("recipe")
@@ -78,10 +69,7 @@ def main(argv=None):
     cfg = load_recipe(args.recipe, overrides)
     model, tok = load_target(OmegaConf.merge(cfg.target, {"dtype": cfg.eval.target_dtype or cfg.target.dtype}))
     model.eval()
-    heads = []
-    for h in args.heads:
-        head = load_head(h, target=model).to(model.dtype).eval()
-        heads.append(head)
+    heads = [load_head(h, target=model).to(model.dtype).eval() for h in args.heads]
     aux = head_aux_layers(heads[0])
     if any(head_aux_layers(h) != aux for h in heads):
         raise SystemExit("the heads read different target layers: compare them in separate runs")
@@ -97,21 +85,18 @@ def main(argv=None):
             with torch.no_grad():
                 logits, feats = target_forward(model, full, DynamicCache(), aux)
                 top = logits.argmax(-1)  # top[t]: the target's greedy token t + 1
-                hits = []
-                for head in heads:
-                    _, draft, _ = head(full[:, 1:], feats[None, :-1], torch.arange(L - 1)[None])
-                    hits.append(head.draft_to_target(draft[0].argmax(-1))[P - 1:L - 2] == top[P:L - 1])
+                hits = [teacher_forced_drafts(head, full, feats)[P - 1:L - 2] == top[P:L - 1] for head in heads]
             # reply tokens 1..len(gen)-1 (token 0 is the prefill's own, never drafted)
             copy = copyable(full[0].tolist(), P + 1)
             for j in range(len(gen) - 1):
-                for key in ((name, label(bucket(j + 1))), (name, "copyable" if copy[j] else "other")):
+                for key in ((name, position_label(j + 1)), (name, "copyable" if copy[j] else "other")):
                     row = rows.setdefault(key, [0] + [0] * len(heads))
                     row[0] += 1
-                    for k, h in enumerate(hits):
-                        row[1 + k] += int(h[j])
+                    for k, hit in enumerate(hits):
+                        row[1 + k] += int(hit[j])
             print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    order = [label(b) for b in POSITION_BUCKETS] + ["copyable", "other"]
+    order = POSITION_LABELS + ["copyable", "other"]
     lines = [f"`python bench/reply_position.py {shlex.join(argv)}`: {args.prompts} first turns per set, "
              f"{args.new_tokens} new tokens, target {cfg.eval.target_dtype or cfg.target.dtype}, "
              f"{time.strftime('%Y-%m-%d')}", "",

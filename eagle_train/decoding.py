@@ -285,6 +285,15 @@ def head_update(head, hkv, C: int, ids: List[int], feats: torch.Tensor):
     return out[0, -1], torch.log_softmax(logits[0, -1].float(), dim=-1), hkv
 
 
+def teacher_forced_drafts(head, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """The head's top-1 draft (target ids) at every position of a known text ids (1, L) whose target
+    features (L, F) come from one `target_forward`, all pairs read at once as training reads them:
+    out[t] guesses token t + 2. A chain of 1 accepts exactly these (tests/test_decoding.py)."""
+    n = ids.shape[1] - 1
+    _, logits, _ = head(ids[:, 1:], feats[None, :-1].to(head_dtype(head)), torch.arange(n, device=ids.device)[None])
+    return to_target_ids(head, logits[0].argmax(-1))
+
+
 # ---------------------------------------------------------------------------------------------
 # generation loops
 

@@ -13,6 +13,13 @@ BOOTSTRAP = 1000
 # where in the reply a target pass starts: a small head accepts far less in a reply's opening tokens
 # than later on (bench/RESULTS.md "## Where in a reply the head is accepted"), so tau depends on the length
 POSITION_BUCKETS = (0, 32, 96, 192, 384)
+POSITION_LABELS = ([f"{lo}-{hi - 1}" for lo, hi in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:])]
+                   + [f"{POSITION_BUCKETS[-1]}+"])
+
+
+def position_label(pos: int) -> str:
+    """The bucket ("0-31", ..., "384+") of reply position `pos`."""
+    return POSITION_LABELS[sum(b <= pos for b in POSITION_BUCKETS) - 1]
 
 
 def _emitted_passes(res: dict, name: str):
@@ -73,12 +80,11 @@ def tau_by_position(records: List[dict]) -> dict:
     for r in records:
         pos = 1
         for a in r["methods"]["head"]["accept_lengths"]:
-            lo = max(b for b in POSITION_BUCKETS if b <= pos)
-            sums[lo][0] += a + 1
-            sums[lo][1] += 1
+            bucket = sums[position_label(pos)]
+            bucket[0] += a + 1
+            bucket[1] += 1
             pos += a + 1
-    hi = dict(zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]))
-    return {(f"{lo}-{hi[lo] - 1}" if lo in hi else f"{lo}+"): e / n for lo, (e, n) in sorted(sums.items())}
+    return {b: sums[b][0] / sums[b][1] for b in POSITION_LABELS if b in sums}
 
 
 def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:

@@ -236,7 +236,7 @@ def test_decoder_accepts_what_the_head_predicts_teacher_forced(smollm2, prompts_
     prompt + greedy answer with the target's features (as training reads them), predicts that reply
     token. Catches a decoder that feeds the head shifted features, tokens or positions: it would
     stay lossless but accept less than the head has learned."""
-    from eagle_train.decoding import head_aux_layers, target_forward
+    from eagle_train.decoding import head_aux_layers, target_forward, teacher_forced_drafts
     from eagle_train.heads import load_head
     from transformers import DynamicCache
 
@@ -248,8 +248,7 @@ def test_decoder_accepts_what_the_head_predicts_teacher_forced(smollm2, prompts_
         full = torch.cat([ids, torch.tensor([ref])], dim=1)
         with torch.no_grad():
             logits, feats = target_forward(model, full, DynamicCache(), aux)
-            _, draft, _ = head(full[:, 1:], feats[None, :-1], torch.arange(full.shape[1] - 1)[None])
-        pred = head.draft_to_target(draft[0].argmax(-1))  # pred[t] guesses token t + 2
+            pred = teacher_forced_drafts(head, full, feats)  # pred[t] guesses token t + 2
         P = ids.shape[1]
         hit = [int(pred[P + i - 2]) == ref[i] for i in range(1, len(ref))]  # reply token i, i >= 1
         assert [int(x) for x in logits.argmax(-1)[P - 1:-1]] == ref  # the features are of the greedy text
