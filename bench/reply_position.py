@@ -71,8 +71,10 @@ def main(argv=None):
     model.eval()
     heads = [load_head(h, target=model).to(model.dtype).eval() for h in args.heads]
     aux = head_aux_layers(heads[0])
-    if any(head_aux_layers(h) != aux for h in heads):
-        raise SystemExit("the heads read different target layers: compare them in separate runs")
+    for path, head in zip(args.heads, heads):
+        if head_aux_layers(head) != aux:
+            raise SystemExit(f"{path} reads target layers {head_aux_layers(head)}, {args.heads[0]} reads {aux}: "
+                             "compare them in separate runs")
     # (set, bucket or "copyable"/"other") -> [positions, hits per head]
     rows = {}
     t0 = time.perf_counter()
