@@ -17,13 +17,16 @@ from eagle_train.target import target_id
 
 
 @torch.no_grad()
-def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant", temperature=1.0):
+def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, positions="assistant", temperature=1.0,
+                copy_weight=1.0):
     """Training targets. `valid` (B, L): positions whose token is trained on (`positions`: the
     assistant replies, or every real token). EAGLE-3 adds `p`, the target distribution at every
     position restricted to the draft vocabulary and renormalized, and `top1` (target ids); a
     position whose target top-1 lies outside the draft vocabulary is not valid (the head cannot
     propose it). From the lean dump's top-k, `p` stays sparse: (draft ids, probs) each (B, L, k).
-    `temperature` < 1 sharpens `p` (p ** (1 / T), renormalized) toward the target's top-1; `top1` is unchanged."""
+    `temperature` < 1 sharpens `p` (p ** (1 / T), renormalized) toward the target's top-1; `top1` is unchanged.
+    `copy_weight` != 1 adds `weight` (B, L): copy_weight at the valid positions prompt lookup would get right
+    (`copyable`), 1 at the other valid ones, 0 elsewhere."""
     real = b["attention_mask"].bool()
     b["valid"] = real & (b["loss_mask"].bool() if positions == "assistant" else real)
     if head_type == "eagle1":
@@ -41,7 +44,28 @@ def add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, chunk=2048, posit
         b["top1"] = b["topk_ids"][..., 0].long()
     # p[t] predicts token t+1: token t+1 is learnable only if the target's top-1 at t is a draft token
     b["valid"][:, 1:] &= t2d_index[b["top1"][:, :-1]] >= 0
+    if copy_weight != 1.0:
+        b["weight"] = b["valid"].float() * (1 + (copy_weight - 1) * copyable(b["input_ids"], b["top1"]))
     return b
+
+
+COPY_NGRAM = 3
+
+
+def copyable(ids, top1, n=COPY_NGRAM):
+    """(B, L) bool: the target's top-1 for token t (top1[t-1]) is what prompt lookup proposes there, the
+    token that followed the latest earlier occurrence of the n tokens before t. SmolLM2 repeats itself
+    (bench/RESULTS.md "## Where in a reply the head is accepted"); these positions are where the head
+    has to copy."""
+    out = torch.zeros(ids.shape, dtype=torch.bool)
+    for r, (seq, nxt) in enumerate(zip(ids.tolist(), top1.tolist())):
+        seen = {}
+        for t in range(n, len(seq)):
+            key = tuple(seq[t - n:t])
+            j = seen.get(key)
+            out[r, t] = j is not None and seq[j] == nxt[t - 1]
+            seen[key] = t
+    return out.to(ids.device)
 
 
 def pad_collate(batch):

@@ -236,6 +236,9 @@ class TrainConfig:
     # EAGLE-3: train on the target distribution sharpened as p ** (1 / T) (T < 1 weighs the target's top-1 more;
     # held-out loss always uses T = 1)
     target_temperature: float = spec(1.0, check="finite > 0")
+    # EAGLE-3: loss weight of the positions prompt lookup gets right (the token after the latest earlier occurrence
+    # of the 3 tokens before it is the target's top-1), where SmolLM2's repeats make the head copy; 1: off
+    copy_weight: float = spec(1.0, check="finite > 0")
     # positions trained on: assistant (the loss mask) or all (user turns too)
     loss_positions: str = spec("assistant", one_of=("assistant", "all"))
     # sort samples by length within windows of 64 batches: less padding

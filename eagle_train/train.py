@@ -113,11 +113,12 @@ def main(cfg, target=None, stop_after=None):
         t2d_index[draft_ids.cpu()] = torch.arange(draft_ids.numel())
     t2d_index, lm_head_w = t2d_index.to(dev), lm_head_w.to(dev)
 
-    def targets(b, positions=tc.loss_positions, temperature=tc.target_temperature):
-        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=positions, temperature=temperature)
+    def targets(b, positions=tc.loss_positions, temperature=tc.target_temperature, copy_weight=tc.copy_weight):
+        return add_targets(b, head_type, lm_head_w, draft_ids, t2d_index, positions=positions, temperature=temperature,
+                           copy_weight=copy_weight)
 
-    def held_out_targets(b):  # always the replies and the target's own distribution: comparable across recipes
-        return targets(b, "assistant", 1.0)
+    def held_out_targets(b):  # always the replies, the target's own distribution, uniform weights: comparable
+        return targets(b, "assistant", 1.0, 1.0)
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,

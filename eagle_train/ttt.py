@@ -125,8 +125,10 @@ class DraftLoss(nn.Module):
             n = logits.shape[1]
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n].float()
-            ce, cnt = soft_ce(logits, cut(shift_target(p, 1 + s), n), valid)
-            loss = loss + self.ttt_decay ** s * ce / cnt.clamp(min=1)
+            weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid  # train.copy_weight
+            ce, wsum = soft_ce(logits, cut(shift_target(p, 1 + s), n), weight)
+            loss = loss + self.ttt_decay ** s * ce / wsum.clamp(min=1)
+            cnt = valid.sum()
             if with_stats:
                 with torch.no_grad():
                     hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(b["top1"], 1 + s)[:, :n]).float()

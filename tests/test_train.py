@@ -387,3 +387,38 @@ def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
     assert torch.equal(p_half["p"].argmax(-1), p1.argmax(-1))
     with pytest.raises(Exception, match="train.target_temperature"):
         load_recipe(None, ["train.target_temperature=0"])
+
+
+def test_copy_weight_marks_what_prompt_lookup_would_get_right():
+    from eagle_train.batches import add_targets, copyable
+    # "a b c d" repeats: after the second "a b c" lookup proposes "d"; top1[t-1] is the target's guess for t
+    ids = torch.tensor([[1, 2, 3, 4, 9, 1, 2, 3, 4, 7]])
+    top1 = torch.roll(ids, -1, 1)
+    top1[0, 7] = 5  # the target does not continue the repeat at t = 8: not copyable
+    want = torch.zeros_like(ids, dtype=torch.bool)
+    assert torch.equal(copyable(ids, top1), want)  # ... so nothing is copyable
+    top1[0, 7] = 4
+    want[0, 8] = True
+    assert torch.equal(copyable(ids, top1), want)
+    V, H = 12, 8
+    g = torch.Generator().manual_seed(0)
+    lm_head_w = torch.randn(V, H, generator=g)
+    draft_ids = torch.arange(V)
+    t2d = torch.arange(V)
+    logp = torch.log_softmax(torch.randn(1, 10, V, generator=g), -1)
+    logp[0, torch.arange(10), top1[0]] = 5.0  # the target's top-1 is top1
+    logp = torch.log_softmax(logp, -1).sort(-1, descending=True)
+    base = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+            "topk_ids": logp.indices, "topk_logp": logp.values}
+    b = add_targets(dict(base), "eagle3", lm_head_w, draft_ids, t2d, copy_weight=3.0)
+    assert torch.equal(b["weight"], b["valid"].float() * torch.where(want, 3.0, 1.0))
+    assert "weight" not in add_targets(dict(base), "eagle3", lm_head_w, draft_ids, t2d)
+    # the loss weighs position 8 three times: it equals the hand-weighted mean of per-position CEs
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    b["aux"] = torch.randn(1, 10, 96, generator=g)
+    loss_w, stats = DraftLoss(head, ttt_steps=1, ttt_decay=1.0, feature_weight=0, token_weight=0, noise=0)(b)
+    b1 = dict(b, weight=b["valid"].float())
+    loss_1, stats_1 = DraftLoss(head, ttt_steps=1, ttt_decay=1.0, feature_weight=0, token_weight=0, noise=0)(b1)
+    assert torch.equal(stats["acc_0"], stats_1["acc_0"])  # accuracy counts stay unweighted
+    assert not torch.isclose(loss_w, loss_1)
