@@ -237,7 +237,9 @@ class TrainConfig:
     # held-out loss always uses T = 1)
     target_temperature: float = spec(1.0, check="finite > 0")
     # EAGLE-3: loss weight of the positions prompt lookup gets right (the token after the latest earlier occurrence
-    # of the 3 tokens before it is the target's top-1), where SmolLM2's repeats make the head copy; 1: off
+    # of the 3 tokens before it is the target's top-1); 1: off. Measured on SmolLM2's own replies (71% of their
+    # tokens are such repeats): 3 lost to 1 on tau and on every set's accuracy, copyable tokens included
+    # (bench/RESULTS.md "## Copy-weighted loss")
     copy_weight: float = spec(1.0, check="finite > 0")
     # positions trained on: assistant (the loss mask) or all (user turns too)
     loss_positions: str = spec("assistant", one_of=("assistant", "all"))
