@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
+from eagle_train.batches import copyable  # noqa: E402
 from eagle_train.decoding import head_aux_layers, target_forward, teacher_forced_drafts  # noqa: E402
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
@@ -35,20 +36,6 @@ from eagle_train.heads import load_head  # noqa: E402
 from eagle_train.recipe_load import load_recipe  # noqa: E402
 from eagle_train.target import load_target  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-
-NGRAM = 3
-
-
-def copyable(seq, start):
-    """For each position i >= start of seq: the NGRAM tokens before i occurred earlier, followed by seq[i]
-    at their latest earlier occurrence (what prompt lookup would propose)."""
-    last, out = {}, []
-    for i in range(NGRAM, len(seq)):
-        key = tuple(seq[i - NGRAM:i])
-        if i >= start:
-            out.append(key in last and seq[last[key]] == seq[i])
-        last[key] = i
-    return out
 
 
 def main(argv=None):
@@ -89,7 +76,8 @@ def main(argv=None):
                 top = logits.argmax(-1)  # top[t]: the target's greedy token t + 1
                 hits = [teacher_forced_drafts(head, full, feats)[P - 1:L - 2] == top[P:L - 1] for head in heads]
             # reply tokens 1..len(gen)-1 (token 0 is the prefill's own, never drafted)
-            copy = copyable(full[0].tolist(), P + 1)
+            # the text's own next token as the guess: prompt lookup would propose reply token j + 1
+            copy = copyable(full, full.roll(-1, 1))[0, P + 1:].tolist()
             for j in range(len(gen) - 1):
                 for key in ((name, position_label(j + 1)), (name, "copyable" if copy[j] else "other")):
                     row = rows.setdefault(key, [0] + [0] * len(heads))

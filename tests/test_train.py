@@ -413,12 +413,15 @@ def test_copy_weight_marks_what_prompt_lookup_would_get_right():
     b = add_targets(dict(base), "eagle3", lm_head_w, draft_ids, t2d, copy_weight=3.0)
     assert torch.equal(b["weight"], b["valid"].float() * torch.where(want, 3.0, 1.0))
     assert "weight" not in add_targets(dict(base), "eagle3", lm_head_w, draft_ids, t2d)
-    # the loss weighs position 8 three times: it equals the hand-weighted mean of per-position CEs
+    # the loss weighs position 8 three times: (sum of the CEs + 2 * CE_8) / (count + 2)
     head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
     b["aux"] = torch.randn(1, 10, 96, generator=g)
-    loss_w, stats = DraftLoss(head, ttt_steps=1, ttt_decay=1.0, feature_weight=0, token_weight=0, noise=0)(b)
-    b1 = dict(b, weight=b["valid"].float())
-    loss_1, stats_1 = DraftLoss(head, ttt_steps=1, ttt_decay=1.0, feature_weight=0, token_weight=0, noise=0)(b1)
-    assert torch.equal(stats["acc_0"], stats_1["acc_0"])  # accuracy counts stay unweighted
+    loss = DraftLoss(head, ttt_steps=1, ttt_decay=1.0, feature_weight=0, token_weight=0, noise=0)
+    loss_w, stats = loss(b)
+    loss_1, stats_1 = loss(dict(b, weight=b["valid"].float()))
+    ce_8, _ = loss(dict(b, weight=want.float()))
+    cnt = stats_1["acc_0"][1]
+    torch.testing.assert_close(loss_w, (loss_1 * cnt + 2 * ce_8) / (cnt + 2))
     assert not torch.isclose(loss_w, loss_1)
+    assert torch.equal(stats["acc_0"], stats_1["acc_0"])  # accuracy counts stay unweighted
