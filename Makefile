@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 is the CPU wheel this project is tested with; a newer torch pulls GBs of CUDA.
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-135m-eagle3.yaml
-# demo: fine-tune the shipped head (heads/, made by `make full`) for a few steps on a small fresh dump,
+# demo: fine-tune the shipped head (heads/, made by `make shipped`) for a few steps on a small fresh dump,
 # then eval, export and a push dry run: every stage end to end in ~6 min on 2 CPU cores (incl. install)
 HEAD ?= heads/smollm2-135m-instruct-eagle3
 DEMO ?= output_dir=outputs/demo data.max_conversations=120 data.max_length=384 head.init=$(HEAD) \
