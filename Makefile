@@ -41,7 +41,7 @@ demo: install
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep, dump (ShareGPT
 # 1-1,800 up to 640 tokens: 0.9M tokens, ~23 min) and 450 steps with 3 TTT steps (~2 epochs, ~35 min); phase B: the
-# target answers the first turns of ShareGPT 1,801-2,120 itself (~12 min), dumped (~4 min), and 80 steps with 4 TTT
+# target answers the first turns of ShareGPT 1,801-2,120 itself (10 shards of 32: 5 per process; ~12 min), dumped (~4 min), and 80 steps with 4 TTT
 # steps on those replies from the phase-A head (~7 min); then a short tree sweep, the eval and the export.
 # Its head and wall times: bench/RESULTS.md "## The 2-hour full recipe". `make shipped` re-creates the shipped head.
 OUT ?= outputs/smollm2-135m-eagle3
@@ -53,7 +53,7 @@ DUMP ?= $(LAUNCH2) -m eagle_train.data_prep.dump
 REGEN ?= $(LAUNCH2) -m eagle_train.data_prep.regenerate
 FULL ?= output_dir=$(OUT)
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=1800 data.max_conversations=320 data.eval_fraction=0 \
-       target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16
+       target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
       train.save_every=20
