@@ -225,7 +225,9 @@ def check_export(folder, target_config=None) -> list:
 
 
 def _head_dir(cfg) -> Path:
-    candidates = [Path(cfg.train.output) / "final", Path(cfg.eval.head)]
+    # eval.head first: it is the head the eval report in the card measured (a later phase's head, or one trained
+    # elsewhere); by default it is train.output's final head anyway
+    candidates = [Path(cfg.eval.head), Path(cfg.train.output) / "final"]
     for c in candidates:
         if (c / "config.json").is_file():
             return c

@@ -298,6 +298,27 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     assert cli.run_stage("check", [str(recipe)]) == 0
 
 
+def test_export_takes_the_evaluated_head_over_the_first_phase(tmp_path, tiny_llama, capsys):
+    # a later phase's head (eval.head) is the one evaluated, so the one exported, even when train.output holds another
+    from eagle_train import cli
+
+    tiny_llama.save_pretrained(tmp_path / "target")
+    recipe = _recipe(tmp_path, tmp_path / "target")
+    first, later = make_head(tiny_llama, seed=0), make_head(tiny_llama, seed=1)
+    save_head(first, tmp_path / "run/train/final")
+    save_head(later, tmp_path / "run/train-b/final")
+    assert cli.main(["export", str(recipe), f"eval.head={tmp_path}/run/train-b/final"]) == 0
+    assert "run/train-b/final ->" in capsys.readouterr().out
+    back = load_head(tmp_path / "run/export", target=tiny_llama)
+    outs_back, outs_later, outs_first = run_head(back, 64), run_head(later, 64), run_head(first, 64)
+    assert all(torch.equal(a, b) for a, b in zip(outs_back, outs_later))
+    assert not all(torch.equal(a, b) for a, b in zip(outs_back, outs_first))
+    # without eval.head set, train.output's final head is the default eval.head: that one is exported
+    assert cli.main(["export", str(recipe)]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(run_head(load_head(tmp_path / "run/export", target=tiny_llama), 64),
+                                                 outs_first))
+
+
 def test_export_cli_without_head_names_train_command(tmp_path, tiny_llama, capsys):
     from eagle_train import cli
 
