@@ -158,7 +158,7 @@ def read_checkpoint(ckpt):
 
 # what a checkpoint was trained for (train_state.json "contract"); a resume under other values would
 # load weights of another shape or train a head whose config lies about its layers
-CONTRACT_KEYS = ("head_type", "aux_layers", "draft_vocab_size", "target_digest", "tokenizer_digest")
+CONTRACT_KEYS = ("head_type", "aux_layers", "draft_vocab_size", "target_digest", "tokenizer_digest", "freeze_lm_head")
 
 
 def check_resume_contract(ckpt, state, now):

@@ -291,9 +291,9 @@ def main(cfg) -> int:
         # the text the head was trained on: eval refuses the export under another tokenizer/chat template
         "tokenizer_digest": made_for.get("tokenizer_digest"),
     }
-    # the trainer writes {"step", "metrics", ...} beside the head and into its config.json
-    train_state = (_read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
-                   or _read_json(Path(cfg.train.output) / "train_state.json"))
+    # the trainer writes {"step", "metrics", ...} beside the head and into its config.json (only the exported
+    # head's own: train.output may hold another phase's)
+    train_state = _read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
     card = model_card.render(
         head=head, cfg=cfg, recipe_yaml=recipe_yaml,
         train_state=train_state or None,

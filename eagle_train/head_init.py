@@ -68,15 +68,19 @@ def init_from_target(head, target, feature_scale):
 
 
 
-def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, feature_scale=None):
+def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, feature_scale=None,
+                 freeze_lm_head=False):
     """Set `head`'s weights before training: the target's embeddings (and EAGLE-1's lm_head) as
     frozen copies, then per `head.init` (the draft vocabulary must be set already). `target`: a
     callable returning the loaded target (only `last_layer` needs it); `start`: the head of a
-    `head.init` folder (`start_head`)."""
+    `head.init` folder (`start_head`). `freeze_lm_head` (EAGLE-3): lm_head stays the target's rows
+    (or the start head's) and takes no gradient."""
     with torch.no_grad():
         head.embed_tokens.weight.copy_(embed.float())
         if head.head_type == "eagle1":
             head.lm_head.weight.copy_(lm_head_w.float())
+        if head.head_type == "eagle3" and freeze_lm_head and start is None and init != "last_layer":
+            init = "lm_head"  # the frozen rows are the target's
         if init == "lm_head" and head.head_type == "eagle3":
             head.lm_head.weight.copy_(lm_head_w.float()[draft_ids_of(head.d2t)])
             head.norm.weight.copy_(norm_w.float())
@@ -86,6 +90,8 @@ def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, 
             copy_start(head, start, lm_head_w)
             if feature_scale is not None:  # a saved fc has the scale folded in (trained_head); unfold it
                 head.fc.weight.mul_(feature_scale)
+    if head.head_type == "eagle3" and freeze_lm_head:
+        head.lm_head.weight.requires_grad_(False)
 
 
 def copy_start(head, start, lm_head_w=None):

@@ -83,7 +83,8 @@ def main(cfg, target=None, stop_after=None):
     # what this run trains for: recorded in every checkpoint and the final head, compared on resume
     contract = {"head_type": head_type, "aux_layers": list(head.config.aux_layers) if head_type == "eagle3" else None,
                 "draft_vocab_size": cfg.head.draft_vocab_size if head_type == "eagle3" else None,
-                "target_digest": digest, "tokenizer_digest": tokenizer_digest(cfg, ds)}
+                "target_digest": digest, "tokenizer_digest": tokenizer_digest(cfg, ds),
+                "freeze_lm_head": cfg.head.freeze_lm_head if head_type == "eagle3" else None}
     ckpt = find_checkpoint(out) if tc.resume is not False else None  # None (auto): when there is one
     saved = read_checkpoint(ckpt) if ckpt is not None else None
     if saved is not None:  # before anything is counted or loaded for the recipe's head
@@ -106,7 +107,8 @@ def main(cfg, target=None, stop_after=None):
     if head_type == "eagle3" and tc.feature_norm:  # per-dim RMS of the aux features over the first 16 samples
         feature_scale = feature_rms(features(load_batch(ds, collate, range(min(16, len(ds))), dev))).cpu()
     init_weights(head, cfg.head.init, embed, lm_head_w, norm_w, start,
-                 lambda: target if target is not None else load_target(cfg.target, False)[0], feature_scale)
+                 lambda: target if target is not None else load_target(cfg.target, False)[0], feature_scale,
+                 cfg.head.freeze_lm_head)
     draft_ids = draft_ids_of(head.d2t).to(dev) if head_type == "eagle3" else None
     t2d_index = torch.full((tconf.vocab_size,), -1, dtype=torch.long)  # target id -> draft id, or -1
     if head_type == "eagle3":

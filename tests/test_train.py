@@ -425,3 +425,20 @@ def test_copy_weight_marks_what_prompt_lookup_would_get_right():
     torch.testing.assert_close(loss_w, (loss_1 * cnt + 2 * ce_8) / (cnt + 2))
     assert not torch.isclose(loss_w, loss_1)
     assert torch.equal(stats["acc_0"], stats_1["acc_0"])  # accuracy counts stay unweighted
+
+
+def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path):
+    """head.freeze_lm_head=true: lm_head stays the target's rows of the draft vocabulary through training, the rest
+    learns; the final head saves those rows; resuming with the other setting is refused (the optimizer's tensors
+    differ)."""
+    from eagle_train.draft_vocab import draft_ids_of
+    target = make_tiny_llama(vocab_size=128)
+    write_corpus(synthetic(), tmp_path / "a" / "data")
+    res = train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=12, extra=["head.freeze_lm_head=true",
+                                                                                 "train.save_every=6"])), target=target)
+    h = load_head(res["final"])
+    rows = target.lm_head.weight.float()[draft_ids_of(h.d2t)]
+    assert torch.equal(h.lm_head.weight.float(), rows)
+    assert res["metrics"]["eval/acc_0"] > res["metrics"]["eval0/acc_0"] + 0.03, res["metrics"]
+    with pytest.raises(Exception, match="freeze_lm_head"):
+        train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=14)), target=target)
