@@ -591,7 +591,8 @@ def test_artifacts_carry_their_contract(world):
     assert head["tokenizer_digest"] == stats["tokenizer_digest"] == export["tokenizer_digest"]
     ckpt = json.loads((world / "run/train/checkpoint/train_state.json").read_text())
     assert ckpt["contract"] == {"head_type": "eagle3", "aux_layers": [2, 3, 3], "draft_vocab_size": 49152,
-                                "target_digest": man["target_digest"], "tokenizer_digest": stats["tokenizer_digest"]}
+                                "target_digest": man["target_digest"], "tokenizer_digest": stats["tokenizer_digest"],
+                                "freeze_lm_head": False}
     assert man["max_length"] == 96 and man["head_type"] == "eagle3" and man["aux_layers"] == [2, 3, 3]
 
 
