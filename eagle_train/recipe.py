@@ -159,8 +159,9 @@ class HeadConfig:
     # included. A/B on SmolLM2 (bench/RESULTS.md): none learns fastest of the three
     init: str = "none"
     # EAGLE-3: keep lm_head frozen at the target's lm_head rows of the draft vocabulary (and start `norm` from the
-    # target's final norm), as EAGLE-1 freezes the target's lm_head: half the head's trainable weights are then
-    # the target's own, for a data-limited run. With a head folder in head.init, that head's lm_head is frozen
+    # target's final norm), as EAGLE-1 freezes the target's lm_head. With a head folder in head.init, that head's
+    # lm_head is frozen. A/B on SmolLM2 (bench/RESULTS.md "## Phase A of the 2-hour recipe"): behind the trained
+    # lm_head from the start (held-out acc_0 0.281 vs 0.308 at step 150), so the recipes leave it off
     freeze_lm_head: bool = False
     # EAGLE-1 fc bias (the original Vicuna heads had one; vLLM's Llama EAGLE heads do not)
     fc_bias: bool = False
