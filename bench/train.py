@@ -7,8 +7,11 @@ For ttt_steps 1, 3, 7 at two sequence lengths, in fp32 and under bf16 autocast (
 and loss, what `train.mixed_precision=auto` picks on a CPU with native bf16; the bf16/fp32 speed
 ratio of each setting is printed): tokens/s of a full training step (forward, soft
 cross-entropy over the draft vocabulary, backward, AdamW) on real SmolLM2-135M aux features of
-ShareGPT text, the activation memory autograd keeps for backward (bytes of saved tensors,
-deduplicated by storage), and the process peak RSS. Each setting runs in its own process so peaks
+ShareGPT text whose first `--user-fraction` of each row is masked out of the loss like a user turn
+(0.24: the 2-hour recipe's corpus trains on 76% of its tokens), with the fused lm_head + loss (`--fused on`,
+what training uses) or the plain logits -> soft CE (`off`; `both` prints the fused / plain ratio), the
+activation memory autograd keeps for backward (bytes of saved tensors, deduplicated by storage), and the
+process peak RSS. Each setting runs in its own process so peaks
 do not mix. Activation memory must grow linearly in steps: the check compares the 1->3 and 3->7
 increments per step.
 """
@@ -53,7 +56,7 @@ def features(L, B):
     return model, ids, f
 
 
-def one(L, steps, B, iters, precision="fp32", recompute=False):
+def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
@@ -71,11 +74,13 @@ def one(L, steps, B, iters, precision="fp32", recompute=False):
     scale = f["aux"].pow(2).mean((0, 1)).sqrt()
     loss_fn = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                         token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale,
-                        recompute_attention=recompute)
+                        recompute_attention=recompute, fused=fused)
     draft = draft_ids_of(head.d2t)
     t2d_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft] = torch.arange(draft.numel())
-    b = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids), **f}
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, :int(L * user_fraction)] = 0
+    b = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids), **f}
     b = add_targets(b, "eagle3", None, draft, t2d_index)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     del model
@@ -100,7 +105,8 @@ def one(L, steps, B, iters, precision="fp32", recompute=False):
         if i:
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
-    return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "tokens_per_s": B * L / sec, "sec_per_step": sec,
+    return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
+            "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -114,35 +120,46 @@ def main():
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     # train.recompute_attention: off, on, or both (each setting run both ways, side by side in the table)
     ap.add_argument("--recompute", choices=["off", "on", "both"], default="off")
-    ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--fused", choices=["off", "on", "both"], default="on")
+    ap.add_argument("--user-fraction", type=float, default=0.24)
+    ap.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on")))
+        print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on",
+                             a.one[4] == "on", a.user_fraction)))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, "--batch",
-                                          str(a.batch), "--iters", str(a.iters)], capture_output=True, text=True,
-                                         check=True)
-                    rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
-                    print(rows[-1], flush=True)
-    lines = ["| seq len | batch | ttt_steps | precision | recompute attention | tokens/s | s/step | activations (MiB) | "
-             "peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['tokens_per_s']:.0f} | "
+                    for fu in (["off", "on"] if a.fused == "both" else [a.fused]):
+                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu,
+                                              "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
+                                              str(a.user_fraction)], capture_output=True, text=True, check=True)
+                        rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
+                        print(rows[-1], flush=True)
+    lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | tokens/s | s/step | "
+             "activations (MiB) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
+              f"{r['tokens_per_s']:.0f} | "
               f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
         for steps in a.steps:
             t = {r["precision"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
-                 and r["recompute"] == rows[0]["recompute"]}
+                 and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]}
             if {"fp32", "bf16"} <= set(t):
                 checks.append(f"L={L}, ttt_steps={steps}: bf16 autocast / fp32 tokens/s = {t['bf16'] / t['fp32']:.2f}")
+            for prec in a.precisions:
+                f = {r["fused"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                     and r["recompute"] == rows[0]["recompute"] and r["precision"] == prec}
+                if {"on", "off"} <= set(f):
+                    checks.append(f"L={L}, ttt_steps={steps}, {prec}: fused / plain loss tokens/s = "
+                                  f"{f['on'] / f['off']:.2f}")
     for L in a.lengths:
         m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
-             and r["recompute"] == rows[0]["recompute"]}
+             and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]}
         if not {1, 3, 7} <= set(m):
             continue
         per_a, per_b = (m[3] - m[1]) / 2, (m[7] - m[3]) / 4
@@ -153,7 +170,8 @@ def main():
     if a.record:
         head = (f"`python bench/train.py` on {platform.node() and 'the dev box'} "
                 f"({torch.get_num_threads()} threads, torch {torch.__version__}, CPU), EAGLE-3 head for "
-                f"SmolLM2-135M-Instruct (draft vocab 8192), real ShareGPT features, "
+                f"SmolLM2-135M-Instruct (draft vocab 8192), real ShareGPT features, {a.user_fraction:.0%} of each row "
+                f"out of the loss, "
                 f"{time.strftime('%Y-%m-%d')}:\n\n")
         record("Training", head + text)
 

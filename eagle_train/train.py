@@ -124,7 +124,8 @@ def main(cfg, target=None, stop_after=None):
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,
-                      recompute_attention=tc.recompute_attention)
+                      recompute_attention=tc.recompute_attention,
+                      fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))

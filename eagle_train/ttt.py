@@ -67,10 +67,79 @@ def cut(p, n):
     return tuple(x[:, :n] for x in p) if isinstance(p, tuple) else p[:, :n]
 
 
-def ttt_unroll(head, ids, aux, steps, recompute: bool = False):
+class LinearSoftCE(torch.autograd.Function):
+    """sum_i w_i * soft CE(h_i @ W^T, p_i) over the rows of h (m, H), chunk by chunk: the (m, Vd) logits never
+    exist whole, and their gradient is formed in the same pass that computes the loss (softmax * w P - w p), so
+    the lm_head and the cross-entropy read each logit once instead of the three passes of logits -> logsumexp ->
+    backward (their fp32 (m, 8192) tensors, not the matmuls, took ~30% of a CPU step). `p`: sparse (ids, probs)
+    each (m, k), or dense (m, Vd). Matmuls in `dtype` (autocast's), softmax and loss in fp32. Returns the loss
+    and, when `argmax`, each row's top-1 draft id (for the accuracy)."""
+
+    @staticmethod
+    def forward(ctx, h, W, p_ids, p_probs, w, dtype, argmax):
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            hc, Wc = h.to(dtype), W.to(dtype)
+            loss = torch.zeros((), device=h.device)
+            gh = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
+            gW = torch.zeros(W.shape, device=W.device) if ctx.needs_input_grad[1] else None
+            top = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+            for a in range(0, h.shape[0], LOSS_CHUNK):
+                r = slice(a, a + LOSS_CHUNK)
+                z = (hc[r] @ Wc.T).float()  # (rows, Vd) logits of this chunk
+                pr, wr = p_probs[r].float(), w[r].float()
+                P = pr.sum(-1)
+                zt = (z.gather(-1, p_ids[r]) * pr).sum(-1) if p_ids is not None else (z * pr).sum(-1)
+                if argmax:
+                    top[r] = z.argmax(-1)
+                lse = torch.logsumexp(z, -1)
+                loss += (wr * (lse * P - zt)).sum()
+                if not grads:
+                    continue
+                g = z.sub_(lse[:, None]).exp_().mul_((wr * P)[:, None])  # d loss / d z, in place of z
+                if p_ids is not None:
+                    g.scatter_add_(-1, p_ids[r], -(wr[:, None] * pr))
+                else:
+                    g.sub_(wr[:, None] * pr)
+                g = g.to(dtype)
+                if gh is not None:
+                    gh[r] = g @ Wc
+                if gW is not None:
+                    gW += (g.T @ hc[r]).float()
+        ctx.save_for_backward(gh, gW)
+        ctx.h_dtype, ctx.W_dtype = h.dtype, W.dtype
+        return loss, top
+
+    @staticmethod
+    def backward(ctx, g_loss, g_top):
+        gh, gW = ctx.saved_tensors
+        return (None if gh is None else (gh * g_loss).to(ctx.h_dtype),
+                None if gW is None else (gW * g_loss).to(ctx.W_dtype), None, None, None, None, None)
+
+
+LOSS_CHUNK = 256  # rows per chunk: its fp32 logits (8 MB at Vd 8192) stay in cache
+
+
+def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False):
+    """(sum over the valid positions of weight * soft CE of lm_head(normed) against p, their weight sum, each
+    one's top-1 draft id or None). normed (B, n, H); p sparse (ids, probs) or dense, each (B, n, ...); valid,
+    weight (B, n). Invalid rows (user turns, padding, targets outside the draft vocabulary) are dropped before
+    the lm_head: a third of the rows, counting for nothing."""
+    rows = valid.flatten().nonzero().squeeze(1)
+    h, w = normed.flatten(0, 1)[rows], weight.flatten()[rows].float()
+    ids, probs = (p[0].flatten(0, 1)[rows], p[1].flatten(0, 1)[rows]) if isinstance(p, tuple) else \
+        (None, p.flatten(0, 1)[rows])
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else lm_head.weight.dtype
+    loss, top = LinearSoftCE.apply(h, lm_head.weight, ids, probs, w, dtype, argmax)
+    return loss, w.sum(), top if argmax else None
+
+
+def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True):
     """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
     step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}.
-    `recompute`: steps >= 1 recompute their attention in backward rather than keep its n x n scores."""
+    `recompute`: steps >= 1 recompute their attention in backward rather than keep its n x n scores.
+    `project=False` yields head.norm(out) in place of the logits (the fused loss applies the lm_head)."""
     mid = head.midlayer
     attn = mid.self_attn
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
@@ -92,7 +161,7 @@ def ttt_unroll(head, ids, aux, steps, recompute: bool = False):
             o = (checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
                  if recompute and torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
-        yield out, head.lm_head(head.norm(out))
+        yield out, head.lm_head(head.norm(out)) if project else head.norm(out)
         hidden = out
 
 
@@ -105,8 +174,11 @@ class DraftLoss(nn.Module):
     the aux features; fc trains on aux / feature_scale and the scale is folded back on save."""
 
     def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
-                 recompute_attention=False):
+                 recompute_attention=False, fused=True):
         super().__init__()
+        # fused: the lm_head and the loss chunk by chunk on the valid rows (LinearSoftCE); off under ZeRO-3, whose
+        # partitioned lm_head weight is gathered only inside the module's own forward
+        self.fused = fused
         self.head, self.head_type = head, head.head_type
         self.ttt_steps, self.ttt_decay, self.recompute_attention = ttt_steps, ttt_decay, recompute_attention
         self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
@@ -121,18 +193,23 @@ class DraftLoss(nn.Module):
         ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
         loss, stats = 0.0, {}
-        for s, (out, logits) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention)):
-            n = logits.shape[1]
+        for s, (out, y) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention, not self.fused)):
+            n = y.shape[1]
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
-            valid = shift(valid_tok, 2 + s)[:, :n].float()
-            weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid  # train.copy_weight
-            ce, wsum = soft_ce(logits, cut(shift_target(p, 1 + s), n), weight)
+            valid = shift(valid_tok, 2 + s)[:, :n]
+            weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight
+            target, top1 = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
+            if self.fused:  # y = head.norm(out)
+                ce, wsum, top = linear_soft_ce(y, head.lm_head, target, valid, weight, with_stats)
+                top1 = top1[valid]
+            else:  # y = logits
+                ce, wsum = soft_ce(y, target, weight)
+                top, top1 = (y.argmax(-1)[valid] if with_stats else None), top1[valid]
             loss = loss + self.ttt_decay ** s * ce / wsum.clamp(min=1)
-            cnt = valid.sum()
             if with_stats:
                 with torch.no_grad():
-                    hit = (draft_ids_of(head.d2t)[logits.argmax(-1)] == shift(b["top1"], 1 + s)[:, :n]).float()
-                    stats[f"acc_{s}"] = torch.stack([(hit * valid).sum(), cnt.detach()])
+                    hit = (draft_ids_of(head.d2t)[top] == top1).float()
+                    stats[f"acc_{s}"] = torch.stack([hit.sum(), valid.sum().float()])
         return loss, stats
 
     def eagle1(self, b):

@@ -89,6 +89,49 @@ def test_ttt_attention_recomputed_in_backward():
     assert saved_ref - saved > 3 * n_by_n, (saved_ref, saved)
 
 
+
+@pytest.mark.parametrize("target", ["sparse", "dense"])
+def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target):
+    """DraftLoss(fused=True) (the lm_head and the soft CE chunk by chunk on the valid rows only, gradients formed
+    in forward) gives the loss, accuracy counts and every gradient of the plain path (full logits, soft_ce), over
+    several chunks, with copy weights, a frozen lm_head and no grad (the held-out evaluation)."""
+    import copy
+
+    import eagle_train.ttt as ttt
+    monkeypatch.setattr(ttt, "LOSS_CHUNK", 7)  # several chunks and a ragged last one
+    torch.manual_seed(0)
+    V, B, L = 60, 3, 30
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
+    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
+    p = (ids, probs / probs.sum(-1, keepdim=True))
+    if target == "dense":
+        p = torch.zeros(B, L, V).scatter_(-1, *p)
+    valid = torch.rand(B, L) > 0.3
+    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": p, "aux": torch.randn(B, L, 96),
+         "top1": ids[..., 0], "weight": valid.float() * (1 + 2 * (torch.rand(B, L) > 0.5))}
+
+    def run(fused, freeze=False, grad=True):
+        h = copy.deepcopy(head)
+        h.lm_head.weight.requires_grad_(not freeze)
+        with torch.set_grad_enabled(grad):
+            loss, stats = DraftLoss(h, ttt_steps=3, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
+                                    fused=fused)(b)
+        if grad:
+            loss.backward()
+        return loss.detach(), stats, {n: q.grad for n, q in h.named_parameters() if q.grad is not None}
+
+    for freeze, grad in [(False, True), (True, True), (False, False)]:
+        (loss, stats, grads), (ref, ref_stats, ref_grads) = run(True, freeze, grad), run(False, freeze, grad)
+        torch.testing.assert_close(loss, ref)
+        assert stats.keys() == ref_stats.keys() == {"acc_0", "acc_1", "acc_2"}
+        for k in stats:
+            assert torch.equal(stats[k], ref_stats[k])
+        assert grads.keys() == ref_grads.keys() and ("lm_head.weight" in grads) == (grad and not freeze)
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=1e-5)
+    assert stats["acc_0"][1] < B * L  # invalid rows were left out of the counts
 @pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
 def test_tiny_target_30_steps_learn(tmp_path, head_type):
     target = make_tiny_llama(vocab_size=128)
