@@ -129,8 +129,9 @@ class DumpConfig:
     # absmax scale per token and layer; with storage=topk the lean mode, < 4*H bytes per token).
     # topk log-probs are stored as float16 (float32 when dtype=float32)
     dtype: str = spec("bfloat16", one_of=DTYPE_NAMES + ("float8",))
-    # target shard size in MiB (a shard closes at the first sample that reaches it)
-    shard_size_mb: float = spec(1024, check="> 0")
+    # target shard size in MiB (a shard closes at the first sample that reaches it); a killed dump redoes at
+    # most the shard each rank was filling, so this is also how much work a resume can lose
+    shard_size_mb: float = spec(256, check="> 0")
     # padded tokens per forward batch (samples are length-sorted to cut padding)
     batch_tokens: int = spec(16384, check="> 0")
     # dump the held-out split too (written under `<output>/eval`)
