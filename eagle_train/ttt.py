@@ -67,6 +67,9 @@ def cut(p, n):
     return tuple(x[:, :n] for x in p) if isinstance(p, tuple) else p[:, :n]
 
 
+LOSS_CHUNK = 512  # rows per chunk: their fp32 logits (16 MB at Vd 8192) stay in the L3 cache (128-2048: within 10%)
+
+
 class LinearSoftCE(torch.autograd.Function):
     """sum_i w_i * soft CE(h_i @ W^T, p_i) over the rows of h (m, H), chunk by chunk: the (m, Vd) logits never
     exist whole, and their gradient is formed in the same pass that computes the loss (softmax * w P - w p), so
@@ -117,9 +120,6 @@ class LinearSoftCE(torch.autograd.Function):
                 None if gW is None else (gW * g_loss).to(ctx.W_dtype), None, None, None, None, None)
 
 
-LOSS_CHUNK = 256  # rows per chunk: its fp32 logits (8 MB at Vd 8192) stay in cache
-
-
 def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False):
     """(sum over the valid positions of weight * soft CE of lm_head(normed) against p, their weight sum, each
     one's top-1 draft id or None). normed (B, n, H); p sparse (ids, probs) or dense, each (B, n, ...); valid,
@@ -131,7 +131,10 @@ def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False):
         (None, p.flatten(0, 1)[rows])
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else lm_head.weight.dtype
-    loss, top = LinearSoftCE.apply(h, lm_head.weight, ids, probs, w, dtype, argmax)
+    W = lm_head.weight
+    if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: detached, forward forms no gradients
+        h, W = h.detach(), W.detach()
+    loss, top = LinearSoftCE.apply(h, W, ids, probs, w, dtype, argmax)
     return loss, w.sum(), top if argmax else None
 
 
