@@ -43,7 +43,8 @@ demo: install
 # 1-1,800 up to 640 tokens: 0.9M tokens, ~15-21 min) and 900 steps with 3 TTT steps (~4.6 epochs, ~32 min with the
 # fused loss); phase B: the target answers the first turns of ShareGPT 1,801-2,120 itself (10 shards of 32: 5 per
 # process; ~8 min), dumped (~3 min), and 80 steps with 4 TTT steps on those replies from the phase-A head (~4 min);
-# then a tree sweep (10 trees, ~3-8 min), the eval and the export: 61 min on 2026-12-01. Its head and wall times: bench/RESULTS.md
+# then a tree sweep (10 trees, ~3-8 min), the eval and the export: 61 min on 2026-12-01. Its head and wall times:
+# bench/RESULTS.md
 # "## The 2-hour full recipe" and "## A fused lm_head and loss". `make shipped` re-creates the shipped head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
