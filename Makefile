@@ -39,13 +39,13 @@ demo: install
 	$(BIN)/eagle-train push   $(RECIPE) $(DEMO) --dry-run hub.repo_id=me/SmolLM2-135M-Instruct-EAGLE3
 
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
-# interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep, dump (ShareGPT
-# 1-1,800 up to 640 tokens: 0.9M tokens, ~15-21 min) and 900 steps with 3 TTT steps (~4.6 epochs, ~32 min with the
-# fused loss); phase B: the target answers the first turns of ShareGPT 1,801-2,120 itself (10 shards of 32: 5 per
-# process; ~8 min), dumped (~3 min), and 80 steps with 4 TTT steps on those replies from the phase-A head (~4 min);
-# then a tree sweep (10 trees, ~3-8 min), the eval and the export: 61 min on 2026-12-01. Its head and wall times:
-# bench/RESULTS.md
-# "## The 2-hour full recipe" and "## A fused lm_head and loss". `make shipped` re-creates the shipped head.
+# interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump two
+# corpora (ShareGPT 1-1,800 and 1,801-2,600, up to 640 tokens: 0.9M + 0.43M tokens, ~20 min), 1,300 steps with 3
+# TTT steps over both (~4.5 epochs, ~47 min with the fused loss); phase B: the target answers the first turns of
+# ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; ~8 min), dumped (~3 min), and 80 steps with 4 TTT
+# steps on those replies from the phase-A head (~4 min); then a tree sweep (10 trees, ~3-8 min), the eval and the
+# export. Its head and wall times: bench/RESULTS.md "## The 2-hour full recipe", "## A fused lm_head and loss" and
+# "## Phase A over two corpora". `make shipped` re-creates the shipped head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
 # makes 653 tokens/s against 561 for one two-thread process on 2 CPU cores (bench/RESULTS.md, "phase 5")
@@ -54,7 +54,10 @@ LAUNCH2 := OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processe
 DUMP ?= $(LAUNCH2) -m eagle_train.data_prep.dump
 REGEN ?= $(LAUNCH2) -m eagle_train.data_prep.regenerate
 FULL ?= output_dir=$(OUT)
-OWN ?= output_dir=$(OUT)/own data.skip_conversations=1800 data.max_conversations=320 data.eval_fraction=0 \
+# the second corpus: more distinct tokens for phase A's steps (on the first corpus alone 900 steps = 4.6 epochs)
+MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
+PA ?= train.max_steps=1300 'train.extra_dumps=[$(OUT)/more/dump]'
+OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
@@ -64,7 +67,9 @@ SWEEP ?= eval.max_prompts=4
 full: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(DUMP) $(RECIPE) $(FULL)
-	$(BIN)/eagle-train train  $(RECIPE) $(FULL)
+	$(BIN)/eagle-train prep   $(RECIPE) $(MOREA)
+	$(DUMP) $(RECIPE) $(MOREA)
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA)
 	$(REGEN) $(RECIPE) $(OWN)
 	$(BIN)/eagle-train prep   $(RECIPE) $(OWN) regen.enabled=true
 	$(DUMP) $(RECIPE) $(OWN) regen.enabled=true
