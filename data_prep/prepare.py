@@ -102,7 +102,8 @@ def main(cfg) -> dict:
         source, fmt, limit, source_name = regenerated_source(cfg), "messages", None, str(cfg.regen.output)
     skips = Skips()
     rows = []
-    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, 0 if cfg.regen.enabled else d.skip_conversations),
+    selection = (0, 0) if cfg.regen.enabled else (d.skip_conversations, d.min_prompt_chars)  # regen applied them
+    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, *selection),
                total=limit, desc="read", unit="conv", dynamic_ncols=True)
     for conv in bar:
         rows.append({"id": conv.id, "messages": with_system_prompt(conv.messages, d.system_prompt)})

