@@ -83,7 +83,8 @@ class DataConfig:
     # keep only conversations whose first user turn has at least this many characters (0: all; ~4 characters a token
     # in English): e.g. long documents to answer, where a reply copies from its prompt. Applied after
     # skip_conversations (so a filtered corpus can start where an unfiltered one stopped); max_conversations counts
-    # the conversations it keeps
+    # the conversations it keeps. SmolLM2 A/B (bench/RESULTS.md "## Phase B on replies to long prompts"): its replies to
+    # long prompts as phase B did not lift summarization beyond noise, so the recipes leave it at 0
     min_prompt_chars: int = spec(0, check=">= 0")
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
