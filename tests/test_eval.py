@@ -295,3 +295,16 @@ def test_bf16_eval_counts_mismatches_and_first_divergence(smollm2, head_dir, tmp
     r = rep["results"][0]
     assert isinstance(r["greedy_mismatches"], int) and len(r["first_divergence"]) == r["greedy_mismatches"]
     assert "target dtype: bfloat16" in (out / "report.md").read_text()
+
+
+def test_verdict_tells_a_loss_from_a_tie_with_prompt_lookup():
+    """An overlapping speedup interval is a tie ("more prompts would tell"), not "gains nothing"."""
+    from eagle_train.eval.summary import verdict
+
+    pl = {"tau": 1.67, "speedup": 1.39, "speedup_ci": [1.18, 1.74]}
+    tie = {"tau": 2.00, "speedup": 1.38, "speedup_ci": [1.32, 1.45], "baselines": {"prompt_lookup_10": pl}}
+    loss = {"tau": 1.50, "speedup": 1.05, "speedup_ci": [1.00, 1.10], "baselines": {"prompt_lookup_10": pl}}
+    win = {"tau": 2.00, "speedup": 1.80, "speedup_ci": [1.76, 1.90], "baselines": {"prompt_lookup_10": pl}}
+    assert "not clearly beat" in verdict(tie) and "gains nothing" not in verdict(tie)
+    assert "does NOT beat" in verdict(loss) and "gains nothing" in verdict(loss)
+    assert "BEATS" in verdict(win) and "do not overlap" in verdict(win)
