@@ -135,11 +135,11 @@ def verdict(res: dict) -> str:
         return f"the head BEATS prompt lookup ({n} tokens) on tau and speedup{sure}"
     figures = (f"({n} tokens: tau {best['tau']:.2f}, speedup {best['speedup']:.2f}x vs the head's {res['tau']:.2f}, "
                f"{res['speedup']:.2f}x)")
-    if res["speedup_ci"][1] >= best["speedup_ci"][0]:  # e.g. 1.38x vs 1.39x: a tie, not a loss
+    (lo, hi), (pl_lo, pl_hi) = res["speedup_ci"], best["speedup_ci"]
+    if lo <= pl_hi and pl_lo <= hi:  # e.g. 1.38x vs 1.39x: a tie, not a loss
         return (f"the head does not clearly beat prompt lookup {figures}: the speedup intervals overlap, "
                 "more prompts would tell")
     return f"the head does NOT beat prompt lookup {figures}: serving it gains nothing over the free n-gram drafter"
-
 
 
 def lossless_rows(results: List[dict], target_dtype: str) -> List[dict]:
