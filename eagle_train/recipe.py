@@ -298,6 +298,10 @@ class EvalConfig:
     sweep_topk: List[int] = spec(factory=lambda: [1, 2, 4], check="> 0")
     sweep_depth: List[int] = spec(factory=lambda: [2, 3, 4, 6], check="> 0")
     sweep_num_draft_tokens: List[int] = spec(factory=lambda: [4, 8, 16], check="> 0")
+    # trees swept besides the grid, each [topk, depth, num_draft_tokens]; by default the EAGLE-2 paper's tree: the
+    # most tau, and where a target pass over 60 tokens costs about one token (a GPU) the one to start from; on a
+    # CPU every node costs, so it is rarely the fastest there
+    sweep_trees: List[List[int]] = field(default_factory=lambda: [[10, 6, 60]])
     # `eagle-train deploy`: batch sizes at which batched `generate` and the batched head are timed; the
     # report names the largest one the head still wins at ("use EAGLE up to batch N on this hardware")
     batch_sizes: List[int] = spec(factory=lambda: [1, 2, 4, 8, 16], check="> 0")

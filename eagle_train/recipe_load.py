@@ -132,6 +132,10 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append(f"`eval.num_draft_tokens` = {cfg.eval.num_draft_tokens} < `eval.depth` = {cfg.eval.depth}: "
                         "a dynamic tree keeps at most that many nodes, so it never reaches that depth; "
                         f"set eval.num_draft_tokens >= {cfg.eval.depth} or eval.depth <= {cfg.eval.num_draft_tokens}")
+    for i, tree in enumerate(cfg.eval.sweep_trees):
+        if len(tree) != 3 or min(tree) < 1:
+            problems.append(f"`eval.sweep_trees[{i}]` = {list(tree)} must be [topk, depth, num_draft_tokens], "
+                            "three numbers > 0, e.g. [10, 6, 60]")
     if cfg.eval.tree == "static" and not cfg.eval.static_tree:
         problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
     if cfg.head.init not in ("none", "lm_head", "last_layer") and not Path(cfg.head.init).expanduser().is_dir():

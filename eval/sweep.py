@@ -22,18 +22,16 @@ from eagle_train.eval.run import (benchmark_label, busy_warning, check_eval_sect
 
 
 def sweep_settings(ecfg) -> List[dict]:
-    """The grid topk x depth x num_draft_tokens, without duplicates: topk 1 is the chain
-    (num_draft_tokens = depth), and a dynamic tree keeps at most `max_tree_nodes`."""
+    """The grid topk x depth x num_draft_tokens, then `sweep_trees`, without duplicates: topk 1 is
+    the chain (num_draft_tokens = depth), and a dynamic tree keeps at most `max_tree_nodes`."""
+    grid = [(t, d, n) for t in ecfg.sweep_topk for d in ecfg.sweep_depth for n in ecfg.sweep_num_draft_tokens]
     seen, out = set(), []
-    for topk in ecfg.sweep_topk:
-        for depth in ecfg.sweep_depth:
-            for nd in ecfg.sweep_num_draft_tokens:
-                tree = "chain" if topk == 1 else "dynamic"
-                nd = max_tree_nodes(SpecConfig(tree=tree, topk=topk, depth=depth, num_draft_tokens=nd))
-                key = (topk, depth, nd)
-                if key not in seen:
-                    seen.add(key)
-                    out.append({"tree": tree, "topk": topk, "depth": depth, "num_draft_tokens": nd})
+    for topk, depth, nd in grid + [tuple(t) for t in ecfg.sweep_trees]:
+        tree = "chain" if topk == 1 else "dynamic"
+        nd = max_tree_nodes(SpecConfig(tree=tree, topk=topk, depth=depth, num_draft_tokens=nd))
+        if (topk, depth, nd) not in seen:
+            seen.add((topk, depth, nd))
+            out.append({"tree": tree, "topk": topk, "depth": depth, "num_draft_tokens": nd})
     return out
 
 
@@ -83,10 +81,12 @@ def sweep_main(cfg) -> Path:
     if not lossless:
         raise RuntimeError("every sweep setting's greedy output differs from the baseline: a decoder bug")
     best = max(lossless, key=lambda r: r["speedup"])
+    most_tau = max(lossless, key=lambda r: r["tau"])  # where verifying a tree costs ~one token (a GPU)
     load["end"] = load_average()
     sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load,
              "target_dtype": dtype_name(model), "threads": torch.get_num_threads(),
              "busy": busy_warning(load, torch.get_num_threads()),
              "temperature": temp, "benchmarks": [benchmark_label(b) for b in ecfg.benchmarks],
-             "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best}
+             "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best,
+             "most_tau": most_tau}
     return write_sweep(sweep, ecfg.output)

@@ -198,14 +198,17 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
     out = tmp_path / "sweep"
     argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.max_prompts=2", "eval.max_new_tokens=6",
-            "eval.sweep_topk=[1,2]", "eval.sweep_depth=[2]", "eval.sweep_num_draft_tokens=[2,3,99]"]
+            "eval.sweep_topk=[1,2]", "eval.sweep_depth=[2]", "eval.sweep_num_draft_tokens=[2,3,99]",
+            "eval.sweep_trees=[[2,2,6],[3,3,9]]"]
     assert run_stage("sweep", argv) == 0
     sw = json.loads((out / "sweep.json").read_text())
-    # 99 nodes is capped at what a topk-2 depth-2 dynamic tree can draft: 2 + 2 * 2
+    # 99 nodes is capped at what a topk-2 depth-2 dynamic tree can draft: 2 + 2 * 2; sweep_trees come after the
+    # grid, a tree the grid already has once
     assert [(r["tree"], r["topk"], r["depth"], r["num_draft_tokens"]) for r in sw["results"]] == [
-        ("chain", 1, 2, 2), ("dynamic", 2, 2, 2), ("dynamic", 2, 2, 3), ("dynamic", 2, 2, 6)]
+        ("chain", 1, 2, 2), ("dynamic", 2, 2, 2), ("dynamic", 2, 2, 3), ("dynamic", 2, 2, 6), ("dynamic", 3, 3, 9)]
     assert all(r["greedy_mismatches"] == 0 for r in sw["results"])  # equality checked in the sweep too
     assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"]) and len(sw["load_average"]["start"]) == 3
+    assert sw["most_tau"] == max(sw["results"], key=lambda r: r["tau"])
     assert "Best on this machine" in (out / "sweep.md").read_text()
 
 
