@@ -125,7 +125,15 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
         b = sweep.get("best") or {}
         lines += [f"Tree-setting sweep: {len(sweep['results'])} settings; best topk {b.get('topk')}, depth "
                   f"{b.get('depth')}, {b.get('num_draft_tokens')} draft tokens: τ {_fmt(b.get('tau'))}, "
-                  f"speedup {_fmt(b.get('speedup'))}x.", ""]
+                  f"speedup {_fmt(b.get('speedup'))}x."]
+        m = sweep.get("most_tau")
+        if m and m != b:  # on a GPU a wide tree costs about one target pass: the most-tau tree is the start there
+            lines[-1] += (f" Most τ: topk {m['topk']}, depth {m['depth']}, {m['num_draft_tokens']} draft tokens, "
+                          f"τ {_fmt(m['tau'])} (speedup {_fmt(m['speedup'])}x on the machine above; on a GPU, where "
+                          "a target pass over that many tokens costs about one token, start from this tree: SGLang "
+                          f"`--speculative-num-steps {m['depth']} --speculative-eagle-topk {m['topk']} "
+                          f"--speculative-num-draft-tokens {m['num_draft_tokens'] + 1}`).")
+        lines += [""]
     return lines
 
 

@@ -432,6 +432,11 @@ def test_card_serves_exactly_the_evaluated_tree():
     setting, _ = model_card.best_setting(cfg, report, sweep)
     _, sglang = model_card.serving_commands("eagle3", "t", "me/h", setting)
     assert "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6" in sglang
+    wide = {"tree": "dynamic", "topk": 10, "depth": 6, "num_draft_tokens": 60, "tau": 2.6, "speedup": 0.9}
+    card = "\n".join(model_card.eval_section(None, {"results": [sweep["best"], wide], "best": sweep["best"],
+                                                      "most_tau": wide}))
+    assert "Most τ: topk 10, depth 6, 60 draft tokens, τ 2.60" in card
+    assert "--speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 61" in card
     static = {"settings": {"tree": "static", "topk": 4, "depth": 3, "num_draft_tokens": 8,
                            "static_tree": [[0], [1], [0, 0]]}}
     setting, _ = model_card.best_setting(cfg, static, None)
