@@ -8,7 +8,9 @@ teacher-forced with the target's features (as training does), and its top-1 for 
 the target's top-1: the depth-0 acceptance a chain of 1 would get there (tests/test_decoding.py checks that the
 decoder accepts exactly these). Positions are bucketed like the eval report's tau by reply position. "copyable":
 the 3 tokens before it occurred earlier in prompt + reply and were followed by this token then, i.e. prompt lookup
-would propose it (repeats and loops). --record files the table under `## Accuracy by reply position`.
+would propose it (repeats and loops), split into copies from the prompt and repeats of the reply; "outside draft
+vocab": the target's token is not in the (first) head's draft vocabulary, so no head can draft it. --record files
+the table under `## Accuracy by reply position`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
-from eagle_train.batches import copyable  # noqa: E402
+from eagle_train.batches import copy_sources  # noqa: E402
 from eagle_train.decoding import head_aux_layers, target_forward, teacher_forced_drafts  # noqa: E402
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
@@ -58,6 +60,10 @@ def main(argv=None):
     model.eval()
     heads = [load_head(h, target=model).to(model.dtype).eval() for h in args.heads]
     aux = head_aux_layers(heads[0])
+    in_vocab = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    if getattr(heads[0], "d2t", None) is not None:  # EAGLE-3: draft id i is target id i + d2t[i]
+        in_vocab[:] = False
+        in_vocab[torch.arange(len(heads[0].d2t)) + heads[0].d2t.cpu()] = True
     for path, head in zip(args.heads, heads):
         if head_aux_layers(head) != aux:
             raise SystemExit(f"{path} reads target layers {head_aux_layers(head)}, {args.heads[0]} reads {aux}: "
@@ -77,16 +83,19 @@ def main(argv=None):
                 hits = [teacher_forced_drafts(head, full, feats)[P - 1:L - 2] == top[P:L - 1] for head in heads]
             # reply tokens 1..len(gen)-1 (token 0 is the prefill's own, never drafted)
             # the text's own next token as the guess: prompt lookup would propose reply token j + 1
-            copy = copyable(full, full.roll(-1, 1))[0, P + 1:].tolist()
+            source = copy_sources(full, full.roll(-1, 1))[0, P + 1:].tolist()
             for j in range(len(gen) - 1):
-                for key in ((name, position_label(j + 1)), (name, "copyable" if copy[j] else "other")):
+                copied = ("copy from prompt" if source[j] < P else "copy from reply") if source[j] >= 0 else None
+                keys = [(name, position_label(j + 1)), (name, "copyable" if copied else "other")]
+                keys += [(name, copied)] * bool(copied) + [(name, "outside draft vocab")] * (not in_vocab[gen[j + 1]])
+                for key in keys:
                     row = rows.setdefault(key, [0] + [0] * len(heads))
                     row[0] += 1
                     for k, hit in enumerate(hits):
                         row[1 + k] += int(hit[j])
             print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    order = POSITION_LABELS + ["copyable", "other"]
+    order = POSITION_LABELS + ["copyable", "copy from prompt", "copy from reply", "other", "outside draft vocab"]
     lines = [f"`python bench/reply_position.py {shlex.join(argv)}`: {args.prompts} first turns per set, "
              f"{args.new_tokens} new tokens, target {cfg.eval.target_dtype or cfg.target.dtype}, "
              f"{time.strftime('%Y-%m-%d')}", "",

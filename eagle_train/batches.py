@@ -57,13 +57,20 @@ def copyable(ids, top1, n=COPY_NGRAM):
     token that followed the latest earlier occurrence of the n tokens before t. SmolLM2 repeats itself
     (bench/RESULTS.md "## Where in a reply the head is accepted"); these positions are where the head
     has to copy."""
-    out = torch.zeros(ids.shape, dtype=torch.bool)
+    return copy_sources(ids, top1, n) >= 0
+
+
+def copy_sources(ids, top1, n=COPY_NGRAM):
+    """(B, L) long: for a `copyable` position t, the position of the token prompt lookup copies there
+    (so bench/reply_position.py can tell a copy from the prompt from a repeat of the reply); -1 elsewhere."""
+    out = torch.full(ids.shape, -1, dtype=torch.long)
     for r, (seq, nxt) in enumerate(zip(ids.tolist(), top1.tolist())):
         seen = {}
         for t in range(n, len(seq)):
             key = tuple(seq[t - n:t])
             j = seen.get(key)
-            out[r, t] = j is not None and seq[j] == nxt[t - 1]
+            if j is not None and seq[j] == nxt[t - 1]:
+                out[r, t] = j
             seen[key] = t
     return out.to(ids.device)
 

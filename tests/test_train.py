@@ -433,7 +433,7 @@ def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
 
 
 def test_copy_weight_marks_what_prompt_lookup_would_get_right():
-    from eagle_train.batches import add_targets, copyable
+    from eagle_train.batches import add_targets, copy_sources, copyable
     # "a b c d" repeats: after the second "a b c" lookup proposes "d"; top1[t-1] is the target's guess for t
     ids = torch.tensor([[1, 2, 3, 4, 9, 1, 2, 3, 4, 7]])
     top1 = torch.roll(ids, -1, 1)
@@ -443,6 +443,7 @@ def test_copy_weight_marks_what_prompt_lookup_would_get_right():
     top1[0, 7] = 4
     want[0, 8] = True
     assert torch.equal(copyable(ids, top1), want)
+    assert copy_sources(ids, top1)[0, 8] == 3 and (copy_sources(ids, top1) >= 0).sum() == 1  # the first "d"
     V, H = 12, 8
     g = torch.Generator().manual_seed(0)
     lm_head_w = torch.randn(V, H, generator=g)
