@@ -60,10 +60,9 @@ def main(argv=None):
     model.eval()
     heads = [load_head(h, target=model).to(model.dtype).eval() for h in args.heads]
     aux = head_aux_layers(heads[0])
-    in_vocab = torch.ones(model.config.vocab_size, dtype=torch.bool)
-    if getattr(heads[0], "d2t", None) is not None:  # EAGLE-3: draft id i is target id i + d2t[i]
-        in_vocab[:] = False
-        in_vocab[torch.arange(len(heads[0].d2t)) + heads[0].d2t.cpu()] = True
+    # EAGLE-3 heads mark their draft vocabulary in t2d; an EAGLE-1 head drafts the whole vocabulary
+    t2d = getattr(heads[0], "t2d", None)
+    in_vocab = t2d.cpu() if t2d is not None else torch.ones(model.config.vocab_size, dtype=torch.bool)
     for path, head in zip(args.heads, heads):
         if head_aux_layers(head) != aux:
             raise SystemExit(f"{path} reads target layers {head_aux_layers(head)}, {args.heads[0]} reads {aux}: "
