@@ -63,14 +63,19 @@ def chain_setting(setting: dict, report: dict | None, sweep: dict | None) -> tup
                               "it (the tree τ below does not apply to a chain)")
 
 
+def sglang_tree_flags(setting: dict) -> str:
+    """SGLang's flags for one of our tree settings. SGLang's --speculative-num-draft-tokens counts the
+    verified root; our num_draft_tokens does not: +1 here and nowhere else."""
+    return (f"--speculative-num-steps {setting['depth']} --speculative-eagle-topk {setting['topk']} "
+            f"--speculative-num-draft-tokens {setting['num_draft_tokens'] + 1}")
+
+
 def serving_commands(head_type: str, target: str, repo: str, setting: dict, target_revision=None,
                      head_revision=None, chain_depth: int | None = None) -> tuple[str, str | None]:
     """(vLLM command, SGLang command or None). vLLM drafts a chain of `chain_depth` tokens; SGLang
-    serves the evaluated tree exactly, counting the verified root in --speculative-num-draft-tokens
-    (our num_draft_tokens does not: +1). SGLang has no static trees: None for those."""
-    topk, depth, ndt = setting["topk"], setting["depth"], setting["num_draft_tokens"]
+    serves the evaluated tree exactly (`sglang_tree_flags`). SGLang has no static trees: None for those."""
     spec = {"method": "eagle3" if head_type == "eagle3" else "eagle", "model": repo,
-            "num_speculative_tokens": chain_depth or depth}
+            "num_speculative_tokens": chain_depth or setting["depth"]}
     if head_revision:
         spec["revision"] = head_revision
     vllm = f"vllm serve {target}"
@@ -86,8 +91,7 @@ def serving_commands(head_type: str, target: str, repo: str, setting: dict, targ
                f" \\\n  --speculative-draft-model-path {repo}")
     if head_revision:
         sglang += f" --speculative-draft-model-revision {head_revision}"
-    sglang += (f" \\\n  --speculative-num-steps {depth} --speculative-eagle-topk {topk}"
-               f" --speculative-num-draft-tokens {ndt + 1}")
+    sglang += f" \\\n  {sglang_tree_flags(setting)}"
     return vllm, sglang
 
 
@@ -131,8 +135,7 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
             lines[-1] += (f" Most τ: topk {m['topk']}, depth {m['depth']}, {m['num_draft_tokens']} draft tokens, "
                           f"τ {_fmt(m['tau'])} (speedup {_fmt(m['speedup'])}x on the machine above; on a GPU, where "
                           "a target pass over that many tokens costs about one token, start from this tree: SGLang "
-                          f"`--speculative-num-steps {m['depth']} --speculative-eagle-topk {m['topk']} "
-                          f"--speculative-num-draft-tokens {m['num_draft_tokens'] + 1}`).")
+                          f"`{sglang_tree_flags(m)}`).")
         lines += [""]
     return lines
 

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
+from eagle_train.model_card import sglang_tree_flags  # noqa: E402
 
 PLOTS = ("accept_hist.png", "tau_by_category.png", "accept_by_depth.png")
 
@@ -168,11 +169,10 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              f"- vanilla tokens/s: {sweep.get('tokens_per_s_vanilla', 0):.1f}", "",
              f"**Best on this machine:** topk {b['topk']}, depth {b['depth']}, num_draft_tokens "
              f"{b['num_draft_tokens']} (tau {b['tau']:.3f}, speedup {b['speedup']:.3f}; SGLang "
-             f"--speculative-num-steps {b['depth']} --speculative-eagle-topk {b['topk']} "
-             f"--speculative-num-draft-tokens {b['num_draft_tokens'] + 1})", "",
+             f"{sglang_tree_flags(b)})", "",
              *([f"**Most tokens per target pass:** topk {m['topk']}, depth {m['depth']}, num_draft_tokens "
-                f"{m['num_draft_tokens']} (tau {m['tau']:.3f}, speedup {m['speedup']:.3f} here): the tree to start "
-                "from where a target pass over that many tokens costs about one token (a GPU)", ""]
+                f"{m['num_draft_tokens']} (tau {m['tau']:.3f}, speedup {m['speedup']:.3f} here; SGLang {sglang_tree_flags(m)}): "
+                "the tree to start from where a target pass over that many tokens costs about one token (a GPU)", ""]
                if (m := sweep.get("most_tau")) and m is not b else []),
              f"- load average (1, 5, 15 min): {sweep.get('load_average')}; settings and the baseline interleave "
              "per prompt",

@@ -209,7 +209,11 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     assert all(r["greedy_mismatches"] == 0 for r in sw["results"])  # equality checked in the sweep too
     assert sw["best"] == max(sw["results"], key=lambda r: r["speedup"]) and len(sw["load_average"]["start"]) == 3
     assert sw["most_tau"] == max(sw["results"], key=lambda r: r["tau"])
-    assert "Best on this machine" in (out / "sweep.md").read_text()
+    md, b = (out / "sweep.md").read_text(), sw["best"]
+    assert "Best on this machine" in md
+    # SGLang's --speculative-num-draft-tokens counts the verified root
+    assert (f"--speculative-num-steps {b['depth']} --speculative-eagle-topk {b['topk']} "
+            f"--speculative-num-draft-tokens {b['num_draft_tokens'] + 1}") in md
 
 
 def test_missing_head_names_the_train_command(tmp_path, monkeypatch, smollm2):
