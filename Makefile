@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-135m-eagle3.yaml
 # demo: fine-tune the shipped head (heads/, made by `make full`) for a few steps on a small fresh dump,
-# then eval, export and a push dry run: every stage end to end in ~6 min on 2 CPU cores (incl. install)
+# then eval, export and a push dry run: every stage end to end in ~3-4 min on 2 CPU cores (plus install)
 HEAD ?= heads/smollm2-135m-instruct-eagle3
 DEMO ?= output_dir=outputs/demo data.max_conversations=120 data.max_length=384 head.init=$(HEAD) \
         train.max_steps=30 train.learning_rate=1e-4 train.warmup_steps=5 train.micro_batch_size=4 \
@@ -40,12 +40,12 @@ demo: install
 
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump three
-# corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, ~27 min),
-# 1,700 steps with 3 TTT steps over them (~4.4 epochs, ~62 min with the fused loss); phase B: the target answers the
-# first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; ~6 min), dumped (~3 min), and 80 steps
-# with 4 TTT steps on those replies from the phase-A head (~4 min); then a tree sweep (11 trees, ~5 min), the eval
-# and the export. Its head and wall times: bench/RESULTS.md "## Phase A over three corpora" and the sections it
-# names. The shipped head (heads/) is this recipe's head.
+# corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, 28 min),
+# 1,700 steps with 3 TTT steps over them (~4.4 epochs, 71 min with the fused loss and 34 held-out evals); phase B:
+# the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
+# and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
+# the eval and the export (4 min): 117 min from a clean clone (bench/RESULTS.md "## `make full` on a clean clone").
+# The shipped head (heads/) is this recipe's head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
 # makes 653 tokens/s against 561 for one two-thread process on 2 CPU cores (bench/RESULTS.md, "phase 5")

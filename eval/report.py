@@ -171,8 +171,9 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              f"{b['num_draft_tokens']} (tau {b['tau']:.3f}, speedup {b['speedup']:.3f}; SGLang "
              f"{sglang_tree_flags(b)})", "",
              *([f"**Most tokens per target pass:** topk {m['topk']}, depth {m['depth']}, num_draft_tokens "
-                f"{m['num_draft_tokens']} (tau {m['tau']:.3f}, speedup {m['speedup']:.3f} here; SGLang {sglang_tree_flags(m)}): "
-                "the tree to start from where a target pass over that many tokens costs about one token (a GPU)", ""]
+                f"{m['num_draft_tokens']} (tau {m['tau']:.3f}, speedup {m['speedup']:.3f} here; SGLang "
+                f"{sglang_tree_flags(m)}): the tree to start from where a target pass over that many tokens costs "
+                "about one token (a GPU)", ""]
                if (m := sweep.get("most_tau")) and m is not b else []),
              f"- load average (1, 5, 15 min): {sweep.get('load_average')}; settings and the baseline interleave "
              "per prompt",
