@@ -10,7 +10,9 @@ attention sees the step-0 keys causally plus, at the same position only, the key
 1..s - what the head sees when it drafts s tokens ahead at inference. We never build the
 (B, heads, L, L*steps) score matrix: each step scores causally against the step-0 keys (L x L)
 and against its own diagonal (one dot product per earlier step, L x s), and takes one softmax over
-the concatenation. Memory per step is O(L^2 + L*s), so the unroll grows linearly in steps.
+the concatenation (`ttt_attention`, the reference): memory per step O(L^2 + L*s), linear in steps. On a
+CPU, MergedTTTAttention computes the same without the L x L scores: the causal part through the flash
+kernel that step 0's SDPA uses, the diagonal keys merged into its softmax through the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -44,6 +46,64 @@ def ttt_attention(q, k0, v0, ks, vs):
     for i, v in enumerate(vs):
         out = out + probs[..., n + i, None] * v.repeat_interleave(rep, 1)
     return out
+
+
+# TTT steps >= 1 take MergedTTTAttention where the CPU flash kernel exists (tests set False to compare with the
+# dense reference above)
+MERGED = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+class MergedTTTAttention(torch.autograd.Function):
+    """ttt_attention without the (B, h, n, n) scores: the causal part is the CPU flash kernel (as step 0's SDPA),
+    which also gives each row's log-sum-exp, and the s diagonal keys join its softmax through that log-sum-exp:
+    out = a_c * o_c + sum_i a_i * v_i with a_c = exp(lse_c - L), a_i = exp(d_i - L), L = logsumexp(lse_c, d_1..d_s).
+    Backward: the flash kernel's backward with upstream a_c * grad and the merged `out` (its rowsum(grad * out)
+    term is then the merged softmax's), plus the diagonal keys' own terms. Inputs (B, h, n, d), keys and values
+    already repeated to q's heads; 5x less time than the dense form at phase A's shapes (bench/RESULTS.md)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, *kv):
+        s = len(kv) // 2
+        ks, vs = kv[:s], kv[s:]
+        scale, acc = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)  # fp32 sums for bf16
+        oc, lse_k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, True)
+        lse = lse_k.to(acc)
+        d = torch.stack([(q * k).sum(-1) for k in ks], -1).to(acc) * scale  # (B, h, n, s)
+        L = torch.logsumexp(torch.cat([lse[..., None], d], -1), -1)
+        ac, ai = (lse - L).exp(), (d - L[..., None]).exp()
+        out = ac[..., None] * oc.to(acc)
+        for i, v in enumerate(vs):
+            out = out + ai[..., i, None] * v.to(acc)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, out, lse_k, ac, ai, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k0, v0, out, lse_k, ac, ai, *kv = ctx.saved_tensors
+        s = len(kv) // 2
+        ks, vs = kv[:s], kv[s:]
+        scale, acc = q.shape[-1] ** -0.5, ac.dtype
+        gf = g.to(acc)
+        gq, gk0, gv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            (ac[..., None] * gf).to(q.dtype), q, k0, v0, out, lse_k, 0.0, True)
+        gq = gq.to(acc)
+        D = (gf * out.to(acc)).sum(-1)  # rowsum(grad * out) of the merged softmax
+        gks, gvs = [], []
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            dS = ai[..., i] * ((gf * v.to(acc)).sum(-1) - D) * scale  # (B, h, n)
+            gq = gq + dS[..., None] * k.to(acc)
+            gks.append((dS[..., None] * q.to(acc)).to(k.dtype))
+            gvs.append((ai[..., i, None] * gf).to(v.dtype))
+        return (gq.to(q.dtype), gk0, gv0, *gks, *gvs)
+
+
+def merged_ttt_attention(q, k0, v0, ks, vs):
+    """ttt_attention's arguments and result, through MergedTTTAttention."""
+    rep = q.shape[1] // k0.shape[1]
+    dt = q.dtype
+    kv = [x.to(dt).repeat_interleave(rep, 1) for x in (k0, v0, *ks, *vs)]
+    return MergedTTTAttention.apply(q, *kv)
 
 
 def soft_ce(logits, p, valid):
@@ -161,8 +221,12 @@ def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = T
         else:
             ks.append(k), vs.append(v)
             # copies of ks/vs: backward replays these arguments, and the lists grow at the next step
-            o = (checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
-                 if recompute and torch.is_grad_enabled() else ttt_attention(q, k0, v0, ks, vs))
+            if recompute and torch.is_grad_enabled():
+                o = checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
+            elif MERGED and q.device.type == "cpu":
+                o = merged_ttt_attention(q, k0, v0, ks, vs)
+            else:
+                o = ttt_attention(q, k0, v0, ks, vs)
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
         yield out, head.lm_head(head.norm(out)) if project else head.norm(out)
         hidden = out
