@@ -9,7 +9,9 @@ ratio of each setting is printed): tokens/s of a full training step (forward, so
 cross-entropy over the draft vocabulary, backward, AdamW) on real SmolLM2-135M aux features of
 ShareGPT text whose first `--user-fraction` of each row is masked out of the loss like a user turn
 (0.24: the 2-hour recipe's corpus trains on 76% of its tokens), with the fused lm_head + loss (`--fused on`,
-what training uses) or the plain logits -> soft CE (`off`; `both` prints the fused / plain ratio), the
+what training uses) or the plain logits -> soft CE (`off`; `both` prints the fused / plain ratio), TTT steps >= 1
+through the merged flash attention (`--attention merged`, what training uses on a CPU) or the dense softmax
+(`dense`; `both` prints the merged / dense ratio), the
 activation memory autograd keeps for backward (bytes of saved tensors, deduplicated by storage), and the
 process peak RSS. Each setting runs in its own process so peaks
 do not mix. Activation memory must grow linearly in steps: the check compares the 1->3 and 3->7
@@ -56,14 +58,16 @@ def features(L, B):
     return model, ids, f
 
 
-def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0):
+def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged"):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
     from eagle_train.recipe import HeadConfig, TrainConfig
+    import eagle_train.ttt as ttt
     from eagle_train.ttt import DraftLoss
     from omegaconf import OmegaConf
 
+    ttt.MERGED = ttt.MERGED and attention == "merged"
     torch.set_num_threads(2)
     model, ids, f = features(L, B)
     head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=8192)), model.config)
@@ -106,6 +110,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
     return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
+            "attention": attention,
             "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -121,45 +126,55 @@ def main():
     # train.recompute_attention: off, on, or both (each setting run both ways, side by side in the table)
     ap.add_argument("--recompute", choices=["off", "on", "both"], default="off")
     ap.add_argument("--fused", choices=["off", "on", "both"], default="on")
+    ap.add_argument("--attention", choices=["merged", "dense", "both"], default="merged")
     ap.add_argument("--user-fraction", type=float, default=0.24)
-    ap.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on",
-                             a.one[4] == "on", a.user_fraction)))
+                             a.one[4] == "on", a.user_fraction, a.one[5])))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    for fu in (["off", "on"] if a.fused == "both" else [a.fused]):
-                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu,
+                    for fu, at in [(fu, at) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
+                                   for at in (["dense", "merged"] if a.attention == "both" else [a.attention])]:
+                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
                                               "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
                                               str(a.user_fraction)], capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
-    lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | tokens/s | s/step | "
-             "activations (MiB) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | TTT attention | "
+             "tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 11 + "|"]
     lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
-              f"{r['tokens_per_s']:.0f} | "
+              f"{r['attention']} | {r['tokens_per_s']:.0f} | "
               f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
         for steps in a.steps:
-            t = {r["precision"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
-                 and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]}
+            same = [r for r in rows
+                    if r["L"] == L and r["ttt_steps"] == steps and r["recompute"] == rows[0]["recompute"]]
+            t = {r["precision"]: r["tokens_per_s"] for r in same
+                 if r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
             if {"fp32", "bf16"} <= set(t):
                 checks.append(f"L={L}, ttt_steps={steps}: bf16 autocast / fp32 tokens/s = {t['bf16'] / t['fp32']:.2f}")
             for prec in a.precisions:
-                f = {r["fused"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
-                     and r["recompute"] == rows[0]["recompute"] and r["precision"] == prec}
+                f = {r["fused"]: r["tokens_per_s"] for r in same
+                     if r["precision"] == prec and r["attention"] == rows[0]["attention"]}
                 if {"on", "off"} <= set(f):
                     checks.append(f"L={L}, ttt_steps={steps}, {prec}: fused / plain loss tokens/s = "
                                   f"{f['on'] / f['off']:.2f}")
+                at = {r["attention"]: r["tokens_per_s"] for r in same
+                      if r["precision"] == prec and r["fused"] == rows[0]["fused"]}
+                if {"merged", "dense"} <= set(at):
+                    checks.append(f"L={L}, ttt_steps={steps}, {prec}: merged / dense TTT attention tokens/s = "
+                                  f"{at['merged'] / at['dense']:.2f}")
     for L in a.lengths:
         m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
-             and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]}
+             and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]
+             and r["attention"] == rows[0]["attention"]}
         if not {1, 3, 7} <= set(m):
             continue
         per_a, per_b = (m[3] - m[1]) / 2, (m[7] - m[3]) / 4
