@@ -218,7 +218,8 @@ class TrainConfig:
     ttt_decay: float = spec(0.8, check="in (0, 1]")
     # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
     # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
-    # (bench/RESULTS.md "## Training"); for long samples or several jobs on one box
+    # (bench/RESULTS.md "## Training"); for long samples or several jobs on one box. On a CPU the default path (the
+    # merged flash attention, ttt.MergedTTTAttention) keeps no such scores either and is faster: this is for GPUs
     recompute_attention: bool = False
     # EAGLE-1/2 loss = feature_weight * smooth-L1 + token_weight * CE
     feature_weight: float = spec(1.0, check=">= 0")
