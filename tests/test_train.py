@@ -101,7 +101,7 @@ def test_ttt_attention_recomputed_in_backward():
 @pytest.mark.parametrize("steps", [1, 3])
 def test_merged_ttt_attention_equals_the_dense_softmax(dtype, steps):
     """MergedTTTAttention (flash causal part + diagonal keys merged through its log-sum-exp, hand-written
-    backward) gives ttt_attention's output and the gradient of every input (grouped-query heads, s = 1..3):
+    backward) gives ttt_attention's output and the gradient of every input (grouped-query heads, s = 1 and 3):
     to rounding in float64 against the same math in float64, within bf16 rounding in bf16."""
     from eagle_train.ttt import merged_ttt_attention, ttt_attention
 
