@@ -41,7 +41,8 @@ def ttt_attention(q, k0, v0, ks, vs):
     scores = (q @ k0.transpose(-1, -2)) * scale  # (B, h, n, n)
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     diag = torch.stack([(q * k.repeat_interleave(rep, 1)).sum(-1) for k in ks], dim=-1) * scale  # (B, h, n, s)
-    probs = torch.softmax(torch.cat([scores, diag], dim=-1).float(), dim=-1).to(q.dtype)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax for bf16, float64 kept float64
+    probs = torch.softmax(torch.cat([scores, diag], dim=-1).to(acc), dim=-1).to(q.dtype)
     out = probs[..., :n] @ v0
     for i, v in enumerate(vs):
         out = out + probs[..., n + i, None] * v.repeat_interleave(rep, 1)

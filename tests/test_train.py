@@ -16,7 +16,7 @@ from eagle_train.engine import shared_draft_vocab
 from eagle_train.errors import TrainingDiverged
 from eagle_train.heads import load_head
 from eagle_train.recipe_load import load_recipe
-from eagle_train.ttt import MERGED, DraftLoss, shift, ttt_unroll
+from eagle_train.ttt import DraftLoss, shift, ttt_unroll
 from conftest import SHAREGPT, make_tiny_llama
 from helpers import write_corpus
 
@@ -60,7 +60,7 @@ def test_ttt_unroll_equals_engine_kv_cache_with_tree_mask():
         torch.testing.assert_close(got[s][0], out, atol=1e-5, rtol=1e-4)
 
 
-def test_ttt_attention_recomputed_in_backward():
+def test_ttt_attention_recomputed_in_backward(monkeypatch):
     """train.recompute_attention: TTT steps >= 1 recompute their attention in backward, with the same
     gradients as keeping it, and autograd no longer keeps the (B, heads, n, n) scores of every step."""
     torch.manual_seed(0)
@@ -83,11 +83,9 @@ def test_ttt_attention_recomputed_in_backward():
 
     import eagle_train.ttt as ttt
     got, saved = grads_and_saved(True)
-    ttt.MERGED = False  # the dense ttt_attention, kept for backward
-    try:
-        ref, saved_ref = grads_and_saved(False)
-    finally:
-        ttt.MERGED = MERGED
+    monkeypatch.setattr(ttt, "MERGED", False)  # the dense ttt_attention, kept for backward
+    ref, saved_ref = grads_and_saved(False)
+    monkeypatch.undo()
     merged, saved_merged = grads_and_saved(False)
     for g, r, m in zip(got, ref, merged):
         torch.testing.assert_close(g, r)
@@ -102,24 +100,16 @@ def test_ttt_attention_recomputed_in_backward():
 def test_merged_ttt_attention_equals_the_dense_softmax(dtype, steps):
     """MergedTTTAttention (flash causal part + diagonal keys merged through its log-sum-exp, hand-written
     backward) gives ttt_attention's output and the gradient of every input (grouped-query heads, s = 1 and 3):
-    to rounding in float64 against the same math in float64, within bf16 rounding in bf16."""
+    to rounding in float64, within bf16 rounding in bf16."""
     from eagle_train.ttt import merged_ttt_attention, ttt_attention
 
     torch.manual_seed(0)
     B, h, kv, n, d = 2, 6, 2, 33, 16
 
-    def dense64(q, k0, v0, ks, vs):  # ttt_attention's math without its fp32 softmax
-        rep, scale = h // kv, d ** -0.5
-        K, V = [x.repeat_interleave(rep, 1) for x in [k0, *ks]], [x.repeat_interleave(rep, 1) for x in [v0, *vs]]
-        causal = (q @ K[0].transpose(-1, -2) * scale).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
-                                                                  float("-inf"))
-        p = torch.softmax(torch.cat([causal, torch.stack([(q * k).sum(-1) for k in K[1:]], -1) * scale], -1), -1)
-        return p[..., :n] @ V[0] + sum(p[..., n + i, None] * v for i, v in enumerate(V[1:]))
-
     ins = [torch.randn(B, h if i == 0 else kv, n, d, dtype=dtype, requires_grad=True) for i in range(3 + 2 * steps)]
     q, k0, v0, ks, vs = ins[0], ins[1], ins[2], ins[3:3 + steps], ins[3 + steps:]
     g = torch.randn(B, h, n, d, dtype=dtype)
-    ref = (dense64 if dtype == torch.float64 else ttt_attention)(q, k0, v0, ks, vs)
+    ref = ttt_attention(q, k0, v0, ks, vs)
     got = merged_ttt_attention(q, k0, v0, ks, vs)
     tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=0.05, rtol=0.02)
     torch.testing.assert_close(got, ref, **tol)
