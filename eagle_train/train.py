@@ -124,7 +124,7 @@ def main(cfg, target=None, stop_after=None):
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,
-                      recompute_attention=tc.recompute_attention,
+                      recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk,
                       fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
@@ -288,6 +288,8 @@ def evaluate(model, accelerator, batches, targets):
     out = {"eval/loss": float(t[0] / max(1, t[1]))}
     for i, k in enumerate(keys):
         out[f"eval/{k}"] = float(t[2 + 2 * i] / max(1, t[3 + 2 * i]))
+    if "eval/chain_1" in out:  # tau of a chain as deep as the unroll, drafted at every held-out position
+        out["eval/chain_tau"] = 1 + out["eval/acc_0"] + sum(v for k, v in out.items() if k.startswith("eval/chain_"))
     return out
 
 

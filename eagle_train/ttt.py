@@ -137,11 +137,12 @@ class LinearSoftCE(torch.autograd.Function):
     exist whole, and their gradient is formed in the same pass that computes the loss (softmax * w P - w p), so
     the lm_head and the cross-entropy read each logit once instead of the three passes of logits -> logsumexp ->
     backward (their fp32 (m, 8192) tensors, not the matmuls, took ~30% of a CPU step). `p`: sparse (ids, probs)
-    each (m, k), or dense (m, Vd). Matmuls in `dtype` (autocast's), softmax and loss in fp32. Returns the loss
-    and, when `argmax`, each row's top-1 draft id (for the accuracy)."""
+    each (m, k), or dense (m, Vd). Matmuls in `dtype` (autocast's), softmax and loss in fp32. Returns the loss,
+    when `argmax` each row's top-1 draft id (for the accuracy), and when `label` (m,) draft ids are given each
+    label's rank among its row's logits (0: the head's top-1; for `ttt_mask_topk`)."""
 
     @staticmethod
-    def forward(ctx, h, W, p_ids, p_probs, w, dtype, argmax):
+    def forward(ctx, h, W, p_ids, p_probs, w, dtype, argmax, label=None):
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
             hc, Wc = h.to(dtype), W.to(dtype)
@@ -149,6 +150,7 @@ class LinearSoftCE(torch.autograd.Function):
             gh = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
             gW = torch.zeros(W.shape, device=W.device) if ctx.needs_input_grad[1] else None
             top = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+            rank = torch.empty(h.shape[0] if label is not None else 0, dtype=torch.long, device=h.device)
             for a in range(0, h.shape[0], LOSS_CHUNK):
                 r = slice(a, a + LOSS_CHUNK)
                 z = (hc[r] @ Wc.T).float()  # (rows, Vd) logits of this chunk
@@ -157,6 +159,8 @@ class LinearSoftCE(torch.autograd.Function):
                 zt = (z.gather(-1, p_ids[r]) * pr).sum(-1) if p_ids is not None else (z * pr).sum(-1)
                 if argmax:
                     top[r] = z.argmax(-1)
+                if label is not None:
+                    rank[r] = (z > z.gather(-1, label[r, None])).sum(-1)
                 lse = torch.logsumexp(z, -1)
                 loss += (wr * (lse * P - zt)).sum()
                 if not grads:
@@ -173,20 +177,22 @@ class LinearSoftCE(torch.autograd.Function):
                     gW += (g.T @ hc[r]).float()
         ctx.save_for_backward(gh, gW)
         ctx.h_dtype, ctx.W_dtype = h.dtype, W.dtype
-        return loss, top
+        ctx.mark_non_differentiable(top, rank)
+        return loss, top, rank
 
     @staticmethod
-    def backward(ctx, g_loss, g_top):
+    def backward(ctx, g_loss, g_top, g_rank):
         gh, gW = ctx.saved_tensors
         return (None if gh is None else (gh * g_loss).to(ctx.h_dtype),
-                None if gW is None else (gW * g_loss).to(ctx.W_dtype), None, None, None, None, None)
+                None if gW is None else (gW * g_loss).to(ctx.W_dtype), None, None, None, None, None, None)
 
 
-def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False):
+def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False, label=None):
     """(sum over the valid positions of weight * soft CE of lm_head(normed) against p, their weight sum, each
-    one's top-1 draft id or None). normed (B, n, H); p sparse (ids, probs) or dense, each (B, n, ...); valid,
-    weight (B, n). Invalid rows (user turns, padding, targets outside the draft vocabulary) are dropped before
-    the lm_head: a third of the rows, counting for nothing."""
+    one's top-1 draft id or None, the rank of each one's `label` (B, n) draft id or None). normed (B, n, H); p
+    sparse (ids, probs) or dense, each (B, n, ...); valid, weight (B, n). Invalid rows (user turns, padding,
+    targets outside the draft vocabulary) are dropped before the lm_head: a third of the rows, counting for
+    nothing."""
     rows = valid.flatten().nonzero().squeeze(1)
     h, w = normed.flatten(0, 1)[rows], weight.flatten()[rows].float()
     ids, probs = (p[0].flatten(0, 1)[rows], p[1].flatten(0, 1)[rows]) if isinstance(p, tuple) else \
@@ -196,8 +202,9 @@ def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False):
     W = lm_head.weight
     if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: detached, forward forms no gradients
         h, W = h.detach(), W.detach()
-    loss, top = LinearSoftCE.apply(h, W, ids, probs, w, dtype, argmax)
-    return loss, w.sum(), top if argmax else None
+    lab = label.flatten()[rows] if label is not None else None
+    loss, top, rank = LinearSoftCE.apply(h, W, ids, probs, w, dtype, argmax, lab)
+    return loss, w.sum(), top if argmax else None, rank if label is not None else None
 
 
 def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True):
@@ -240,16 +247,19 @@ class DraftLoss(nn.Module):
     EAGLE-3: sum over TTT steps s < ttt_steps of ttt_decay**s * soft CE against the target
     distribution. EAGLE-1/2: (feature_weight * smooth-L1 on the next feature + token_weight * CE)
     with uniform input noise of half-width `noise` while training. `feature_scale`: per-dim RMS of
-    the aux features; fc trains on aux / feature_scale and the scale is folded back on save."""
+    the aux features; fc trains on aux / feature_scale and the scale is folded back on save.
+    `ttt_mask_topk` k > 0: step s >= 1 trains only at the positions where every earlier step ranked the
+    target's top-1 within its own top k (train.ttt_mask_topk)."""
 
     def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
-                 recompute_attention=False, fused=True):
+                 recompute_attention=False, fused=True, ttt_mask_topk=0):
         super().__init__()
         # fused: the lm_head and the loss chunk by chunk on the valid rows (LinearSoftCE); off under ZeRO-3, whose
         # partitioned lm_head weight is gathered only inside the module's own forward
         self.fused = fused
         self.head, self.head_type = head, head.head_type
         self.ttt_steps, self.ttt_decay, self.recompute_attention = ttt_steps, ttt_decay, recompute_attention
+        self.ttt_mask_topk = ttt_mask_topk
         self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
         self.register_buffer("feature_scale", feature_scale, persistent=False)
 
@@ -258,27 +268,48 @@ class DraftLoss(nn.Module):
         return self.eagle3(b, with_stats) if self.head_type == "eagle3" else self.eagle1(b)
 
     def eagle3(self, b, with_stats=True):
-        head, steps = self.head, self.ttt_steps
+        """stats: acc_s, step s's top-1 hits over its valid positions; chain_s (s >= 1), the positions where steps
+        0..s all hit: a chain drafted from there accepts depth s."""
+        head, steps, k = self.head, self.ttt_steps, self.ttt_mask_topk
         ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
         loss, stats = 0.0, {}
+        alive = chain = None  # (B, n): every earlier step had the target's top-1 in its top-k / as its top-1
         for s, (out, y) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention, not self.fused)):
             n = y.shape[1]
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n]
             weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight
             target, top1 = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
+            if alive is not None:  # ttt_mask_topk: depth s is drafted only where its ancestors were
+                weight = weight * alive
+            # the lm_head sees every valid row when the accuracy is counted (comparable with the mask off), else
+            # only the rows that train
+            rows = valid if with_stats or alive is None else valid & alive
+            label = None
+            if k > 0 and s + 1 < steps:  # the target's top-1 as a draft id (valid rows: it is one)
+                label = target[0][..., 0] if isinstance(target, tuple) else target.argmax(-1)
             if self.fused:  # y = head.norm(out)
-                ce, wsum, top = linear_soft_ce(y, head.lm_head, target, valid, weight, with_stats)
-                top1 = top1[valid]
+                ce, wsum, top, rank = linear_soft_ce(y, head.lm_head, target, rows, weight, with_stats, label)
             else:  # y = logits
                 ce, wsum = soft_ce(y, target, weight)
-                top, top1 = (y.argmax(-1)[valid] if with_stats else None), top1[valid]
+                top = y.argmax(-1)[rows] if with_stats else None
+                rank = (y > y.gather(-1, label[..., None])).sum(-1)[rows] if label is not None else None
             loss = loss + self.ttt_decay ** s * ce / wsum.clamp(min=1)
+            if label is not None:
+                ok = torch.zeros_like(rows)
+                ok[rows] = rank < k
+                alive = ok if alive is None else alive & ok
             if with_stats:
                 with torch.no_grad():
-                    hit = (draft_ids_of(head.d2t)[top] == top1).float()
-                    stats[f"acc_{s}"] = torch.stack([hit.sum(), valid.sum().float()])
+                    hit = draft_ids_of(head.d2t)[top] == top1[rows]
+                    count = rows.sum().float()
+                    stats[f"acc_{s}"] = torch.stack([hit.float().sum(), count])
+                    if chain is not None:
+                        stats[f"chain_{s}"] = torch.stack([(hit & chain[rows]).float().sum(), count])
+                    hits = torch.zeros_like(rows)
+                    hits[rows] = hit
+                    chain = hits if chain is None else chain & hits
         return loss, stats
 
     def eagle1(self, b):

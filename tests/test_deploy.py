@@ -1,6 +1,8 @@
 """`eagle-train deploy`: with an oracle drafter (its drafts are the target's own greedy continuation,
-so tau is maximal) on a tiny target the measured speedup falls as the batch grows, which shows the
-measurement can report a loss; the report files and the model card name the crossover."""
+so tau is maximal) on a tiny target, every batch size gets complete rows and batch 1 reproduces
+`generate`; the report files and the model card name the crossover. How the speedup moves with the
+batch size is a wall-clock figure: it is measured by `eagle-train deploy` and recorded in
+bench/RESULTS.md ("When to deploy"), not asserted here."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def oracle_rows():
     return model, cfg, deploy.measure(model, head, prompts, [1, 4, 16], cfg)
 
 
-def test_oracle_speedup_falls_with_batch_size(oracle_rows):
+def test_oracle_rows_are_complete(oracle_rows):
     _, cfg, rows = oracle_rows
     by = {r["batch_size"]: r for r in rows}
     assert by[1]["tau"] > 3  # the oracle's chains are accepted nearly whole: tau near depth + 1
@@ -41,9 +43,8 @@ def test_oracle_speedup_falls_with_batch_size(oracle_rows):
     for r in rows:
         for m in ("generate", "head"):
             assert r[m]["tokens"] > 0 and r[m]["latency_max_s"] >= r[m]["latency_mean_s"] > 0
-    # batching makes generate's passes nearly free on a tiny target; the head's per-row tree work is not
-    assert by[16]["speedup"] < by[1]["speedup"], [(r["batch_size"], round(r["speedup"], 2)) for r in rows]
-    assert by[16]["generate"]["tokens_per_s"] > by[1]["generate"]["tokens_per_s"]
+        # the speedup is the ratio of the two throughputs measured in the same row, nothing else
+        assert r["speedup"] == pytest.approx(r["head"]["tokens_per_s"] / r["generate"]["tokens_per_s"])
 
 
 def test_report_names_the_crossover(oracle_rows, tmp_path):

@@ -118,11 +118,12 @@ def test_merged_ttt_attention_equals_the_dense_softmax(dtype, steps):
 
 
 
-@pytest.mark.parametrize("target", ["sparse", "dense"])
-def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target):
+@pytest.mark.parametrize("target,mask", [("sparse", 0), ("dense", 0), ("sparse", 3), ("dense", 1)])
+def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target, mask):
     """DraftLoss(fused=True) (the lm_head and the soft CE chunk by chunk on the valid rows only, gradients formed
     in forward) gives the loss, accuracy counts and every gradient of the plain path (full logits, soft_ce), over
-    several chunks, with copy weights, a frozen lm_head and no grad (the held-out evaluation)."""
+    several chunks, with copy weights, a frozen lm_head and no grad (the held-out evaluation); with the TTT loss
+    mask too (the fused path ranks the label inside its chunks)."""
     import copy
 
     import eagle_train.ttt as ttt
@@ -145,7 +146,7 @@ def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target):
         h.lm_head.weight.requires_grad_(not freeze)
         with torch.set_grad_enabled(grad):
             loss, stats = DraftLoss(h, ttt_steps=3, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
-                                    fused=fused)(b)
+                                    fused=fused, ttt_mask_topk=mask)(b)
         if grad:
             loss.backward()
         return loss.detach(), stats, {n: q.grad for n, q in h.named_parameters() if q.grad is not None}
@@ -153,13 +154,56 @@ def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target):
     for freeze, grad in [(False, True), (True, True), (False, False)]:
         (loss, stats, grads), (ref, ref_stats, ref_grads) = run(True, freeze, grad), run(False, freeze, grad)
         torch.testing.assert_close(loss, ref)
-        assert stats.keys() == ref_stats.keys() == {"acc_0", "acc_1", "acc_2"}
+        assert stats.keys() == ref_stats.keys() == {"acc_0", "acc_1", "acc_2", "chain_1", "chain_2"}
         for k in stats:
             assert torch.equal(stats[k], ref_stats[k])
         assert grads.keys() == ref_grads.keys() and ("lm_head.weight" in grads) == (grad and not freeze)
         for n in grads:
             torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=1e-5)
     assert stats["acc_0"][1] < B * L  # invalid rows were left out of the counts
+def test_ttt_mask_trains_each_depth_below_accepted_ancestors_only():
+    """ttt_mask_topk=k: step 1 trains only where step 0 ranked the target's top-1 within its top k, step 2 only
+    where steps 0 and 1 both did (and had a valid target: no draft gets past a token it cannot propose); the
+    loss equals soft CE over those rows built from the unrolled logits, and chain_s counts the positions where
+    steps 0..s all hit."""
+    from eagle_train.ttt import cut, shift_target, soft_ce
+
+    torch.manual_seed(1)
+    V, B, L, steps = 8, 6, 32, 3  # a small vocabulary: a random head's top-1 hits often enough to chain
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
+    ids, probs = logp.indices[..., :6], logp.values[..., :6].exp()
+    p = (ids, probs / probs.sum(-1, keepdim=True))
+    valid = torch.rand(B, L) > 0.2
+    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": p, "aux": torch.randn(B, L, 96),
+         "top1": ids[..., 0]}
+
+    def loss_of(k):
+        with torch.no_grad():
+            return DraftLoss(head, ttt_steps=steps, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
+                             ttt_mask_topk=k)(b)
+
+    with torch.no_grad():
+        logits = [y for _, y in ttt_unroll(head, b["input_ids"], b["aux"], steps)]
+    n = L - 1
+    for k in (1, 4, V):
+        ref, alive, chain = 0.0, torch.ones(B, n, dtype=torch.bool), torch.ones(B, n, dtype=torch.bool)
+        for s, y in enumerate(logits):
+            v = shift(valid, 2 + s)[:, :n]
+            target, label = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
+            ce, cnt = soft_ce(y, target, (v & alive).float())
+            ref += 0.8 ** s * ce / cnt
+            rank = (y > y.gather(-1, label[..., None])).sum(-1)
+            alive &= v & (rank < k)
+            chain &= v & (y.argmax(-1) == label)
+            if s:
+                assert int(loss_of(k)[1][f"chain_{s}"][0]) == int(chain.sum())
+        assert 0 < cnt < v.sum() and chain.any()  # the mask left rows out, and some survived
+        torch.testing.assert_close(loss_of(k)[0], ref)
+    assert not torch.allclose(loss_of(1)[0], loss_of(0)[0])
+
+
 @pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
 def test_tiny_target_30_steps_learn(tmp_path, head_type):
     target = make_tiny_llama(vocab_size=128)
@@ -173,7 +217,10 @@ def test_tiny_target_30_steps_learn(tmp_path, head_type):
     state = json.loads((res["final"] / "train_state.json").read_text())
     assert state["step"] == 30 and "eval/acc_0" in state["metrics"]
     if head_type == "eagle3":
-        assert set(m) >= {"eval/acc_0", "eval/acc_1", "eval/acc_2"}
+        assert set(m) >= {"eval/acc_0", "eval/acc_1", "eval/acc_2", "eval/chain_1", "eval/chain_2"}
+        # a chain of 3 accepts depth s at the positions where depths 0..s all hit: no more than each one alone
+        assert m["eval/chain_2"] <= m["eval/chain_1"] <= m["eval/acc_1"] + 1e-9
+        assert m["eval/chain_tau"] == pytest.approx(1 + m["eval/acc_0"] + m["eval/chain_1"] + m["eval/chain_2"])
         # the saved head (feature scale folded into fc) reproduces the training-time accuracy
         from eagle_train.features import target_features
 
