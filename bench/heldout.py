@@ -5,7 +5,8 @@
 
 Each head is evaluated the way training evaluates it at step 0 (`train.main(..., stop_after=0)`): the
 recipe's held-out split (`dump.output`/eval, or `train.eval_dump`), `train.eval_batches` batches of
-`train.micro_batch_size`, acc_k of TTT steps k < `train.ttt_steps`, loss at the target's own distribution.
+`train.micro_batch_size`, acc_k of TTT steps k < `train.ttt_steps`, loss at the target's own distribution,
+chain_k (steps 0..k all hit) and the τ a chain as deep as the unroll would get drafting at every position.
 Prints a Markdown table; --record files it under `## Held-out accuracy` in bench/RESULTS.md.
 """
 
@@ -56,11 +57,14 @@ def main(argv=None):
 
     lines = [f"`python bench/heldout.py {shlex.join(argv)}`: held-out split of `{where}`, "
              f"{cfg.train.eval_batches} batches of {cfg.train.micro_batch_size}, {time.strftime('%Y-%m-%d')}", "",
-             "| head | loss | " + " | ".join(f"acc_{k}" for k in range(steps)) + " |",
-             "|---|---|" + "---|" * steps]
+             "| head | loss | " + " | ".join(f"acc_{k}" for k in range(steps))
+             + f" | chain_1..{steps - 1} (steps 0..s all hit) | τ of a chain of {steps} |",
+             "|---|---|" + "---|" * (steps + 2)]
     for label, m, _ in rows:
+        chain = " / ".join(f"{m.get(f'eval0/chain_{k}', float('nan')):.4f}" for k in range(1, steps))
         lines.append(f"| {label} | {m['eval0/loss']:.3f} | "
-                     + " | ".join(f"{m.get(f'eval0/acc_{k}', float('nan')):.4f}" for k in range(steps)) + " |")
+                     + " | ".join(f"{m.get(f'eval0/acc_{k}', float('nan')):.4f}" for k in range(steps))
+                     + f" | {chain} | {m.get('eval0/chain_tau', float('nan')):.3f} |")
     publish("Held-out accuracy", lines, args.record)
 
 
