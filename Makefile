@@ -41,8 +41,8 @@ demo: install
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump three
 # corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, 28 min),
-# 2,000 steps with 3 TTT steps over them (~5.2 epochs; the merged TTT attention makes a step 1.19x faster, which
-# pays for 300 more steps than the 1,700 of the 117-minute run; held-out evals every 100 steps); phase B:
+# 1,700 steps with 3 TTT steps over them (~4.4 epochs; 71 min in the 117-minute run; the merged TTT attention since
+# makes a step 1.19x faster and evals every 100 steps save ~2 min more: ~57 min expected there); phase B:
 # the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
 # and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
 # the eval and the export (4 min): 117 min from a clean clone (bench/RESULTS.md "## `make full` on a clean clone").
@@ -59,7 +59,7 @@ FULL ?= output_dir=$(OUT)
 # epochs); the third starts after phase B's prompts (2,601-2,920), so no prompt is seen twice
 MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
-PA ?= train.max_steps=2000 train.eval_every=100 'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
+PA ?= train.max_steps=1700 train.eval_every=100 'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
