@@ -221,7 +221,8 @@ class TrainConfig:
     # within its own top k and had a valid target (a draft at depth s is verified only when its ancestors were
     # accepted: GRIFFIN's token-alignable loss mask). 1 is a chain's condition, a tree's top-k its tree's; 0: off.
     # As a 150-step TTT-5 polish of the SmolLM2 head, k = 1 left the held-out chain of 4 where it was (1.895 vs
-    # 1.894; bench/RESULTS.md "## A loss mask for the deeper TTT steps"); a whole training run with it is untested
+    # 1.894; bench/RESULTS.md "## A loss mask for the deeper TTT steps"); over a whole phase A it learned more slowly
+    # (acc_0 -0.04 at step 200) at the same step time ("## `train.ttt_mask_topk=1` over a whole phase A")
     ttt_mask_topk: int = spec(0, check=">= 0")
     # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
     # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
