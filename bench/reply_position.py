@@ -8,9 +8,9 @@ teacher-forced with the target's features (as training does), and its top-1 for 
 the target's top-1: the depth-0 acceptance a chain of 1 would get there (tests/test_decoding.py checks that the
 decoder accepts exactly these). Positions are bucketed like the eval report's tau by reply position. "copyable":
 the 3 tokens before it occurred earlier in prompt + reply and were followed by this token then, i.e. prompt lookup
-would propose it (repeats and loops), split into copies from the prompt and repeats of the reply; "outside draft
-vocab": the target's token is not in the (first) head's draft vocabulary, so no head can draft it. --record files
-the table under `## Accuracy by reply position`.
+would propose it (repeats and loops), split into copies from the prompt (and those of them the draft vocabulary
+holds) and repeats of the reply; "outside draft vocab": the target's token is not in the (first) head's draft
+vocabulary, so no head can draft it. --record files the table under `## Accuracy by reply position`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ def main(argv=None):
             for j in range(len(gen) - 1):
                 copied = ("copy from prompt" if source[j] < P else "copy from reply") if source[j] >= 0 else None
                 keys = [(name, position_label(j + 1)), (name, "copyable" if copied else "other")]
-                keys += [(name, copied)] * bool(copied) + [(name, "outside draft vocab")] * (not in_vocab[gen[j + 1]])
+                vocab = bool(in_vocab[gen[j + 1]])
+                keys += [(name, copied)] * bool(copied) + [(name, "outside draft vocab")] * (not vocab)
+                # is a copy from the prompt missed for want of the token in the draft vocabulary?
+                keys += [(name, "copy from prompt, in draft vocab")] * (copied == "copy from prompt" and vocab)
                 for key in keys:
                     row = rows.setdefault(key, [0] + [0] * len(heads))
                     row[0] += 1
@@ -94,7 +97,8 @@ def main(argv=None):
                         row[1 + k] += int(hit[j])
             print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    order = POSITION_LABELS + ["copyable", "copy from prompt", "copy from reply", "other", "outside draft vocab"]
+    order = POSITION_LABELS + ["copyable", "copy from prompt", "copy from prompt, in draft vocab", "copy from reply",
+                               "other", "outside draft vocab"]
     lines = [f"`python bench/reply_position.py {shlex.join(argv)}`: {args.prompts} first turns per set, "
              f"{args.new_tokens} new tokens, target {cfg.eval.target_dtype or cfg.target.dtype}, "
              f"{time.strftime('%Y-%m-%d')}", "",
