@@ -59,7 +59,9 @@ FULL ?= output_dir=$(OUT)
 # epochs); the third starts after phase B's prompts (2,601-2,920), so no prompt is seen twice
 MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
-PA ?= train.max_steps=1700 train.eval_every=100 'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
+# phase A's first 1,900 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 900 all 3
+PA ?= train.max_steps=2800 train.shallow_steps=1900 train.eval_every=100 \
+      'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \

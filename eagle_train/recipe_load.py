@@ -128,6 +128,9 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
                         "0 = embeddings, which no engine captures); negative indices are not allowed")
     if len(cfg.train.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.train.adam_betas):
         problems.append(f"`train.adam_betas` = {list(cfg.train.adam_betas)} must be two numbers in [0, 1)")
+    if cfg.train.shallow_steps > 0 and cfg.train.shallow_ttt > cfg.train.ttt_steps:
+        problems.append(f"`train.shallow_ttt` = {cfg.train.shallow_ttt} > `train.ttt_steps` = {cfg.train.ttt_steps}: the "
+                        "early steps are meant to unroll fewer TTT steps, not more; lower train.shallow_ttt")
     if cfg.eval.tree == "dynamic" and cfg.eval.num_draft_tokens < cfg.eval.depth:
         problems.append(f"`eval.num_draft_tokens` = {cfg.eval.num_draft_tokens} < `eval.depth` = {cfg.eval.depth}: "
                         "a dynamic tree keeps at most that many nodes, so it never reaches that depth; "

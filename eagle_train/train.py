@@ -168,6 +168,7 @@ def main(cfg, target=None, stop_after=None):
     # ------------------------------------------------------------ the loop
     plan = {}  # epoch -> this rank's micro-batches
     bar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train", unit="step")
+    core = accelerator.unwrap_model(model)  # its ttt_steps: train.shallow_ttt early, train.ttt_steps after and in evals
     model.train()
     t0, c0, tokens, last_loss = time.perf_counter(), time.process_time(), 0, float("nan")
     while step < tc.max_steps and (stop_after is None or step < stop_after):
@@ -177,6 +178,7 @@ def main(cfg, target=None, stop_after=None):
                                          accelerator.process_index, tc.seed, epoch, lengths)}
         b = targets(features(load_batch(ds, collate, plan[epoch][pos], dev)))
         logging = (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps
+        core.ttt_steps = tc.shallow_ttt if step < tc.shallow_steps else tc.ttt_steps
         with accelerator.accumulate(model):
             loss, stats = model(b, with_stats=logging)
             sound = torch.isfinite(loss.detach()) & (loss.detach().abs() < LOSS_CAP)
@@ -210,6 +212,7 @@ def main(cfg, target=None, stop_after=None):
                             **{f"train/{k}": v for k, v in accs.items()}})
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
         if held_out is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
+            core.ttt_steps = tc.ttt_steps
             metrics.update(evaluate(model, accelerator, held_out, held_out_targets))
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
             accelerator.print(f"[train] step {step}: "
@@ -244,6 +247,7 @@ def main(cfg, target=None, stop_after=None):
                 # what the model card reports: the settings this head was trained with
                 "train": {"mode": tc.mode, "storage": cfg.dump.storage if tc.mode == "offline" else None,
                           "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
+                          "shallow_steps": tc.shallow_steps, "shallow_ttt": tc.shallow_ttt,
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
                           "init": cfg.head.init},
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,

@@ -561,3 +561,44 @@ def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path):
     assert res["metrics"]["eval/acc_0"] > res["metrics"]["eval0/acc_0"] + 0.03, res["metrics"]
     with pytest.raises(Exception, match="freeze_lm_head"):
         train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=14)), target=target)
+
+
+def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
+    """train.shallow_steps: those first optimizer steps train exactly as a `shallow_ttt` unroll would, the rest with
+    `ttt_steps`; held-out evaluations always unroll `ttt_steps`; a run killed after the switch resumes to the same
+    weights; shallow_ttt > ttt_steps is refused by name."""
+    from eagle_train.recipe import RecipeError
+
+    target = make_tiny_llama(vocab_size=128)
+    data = tmp_path / "data"
+    write_corpus(synthetic(n=24), data)
+    common = [f"data.output={data}", "train.save_every=3"]
+
+    def run(name, extra, steps=6, **kw):
+        return train.main(load_recipe(None, tiny_args(tmp_path / name, steps=steps, extra=common + extra)),
+                          target=target, **kw)
+
+    def weights(res):
+        return load_file(res["final"] / "model.safetensors")
+
+    one = run("one", ["train.ttt_steps=1"])
+    early = run("early", ["train.shallow_steps=6", "train.shallow_ttt=1"])  # every step shallow, evaluated at 3
+    deep = run("deep", [])
+    mixed = run("mixed", ["train.shallow_steps=3", "train.shallow_ttt=1"])
+    for k, v in weights(one).items():
+        assert torch.equal(v, weights(early)[k]), k
+    assert "eval/acc_1" not in one["metrics"] and {"eval/acc_1", "eval/acc_2"} <= set(early["metrics"])
+    assert "eval/chain_2" in mixed["metrics"]
+    w = weights(mixed)
+    assert any(not torch.equal(w[k], weights(one)[k]) for k in w)
+    assert any(not torch.equal(w[k], weights(deep)[k]) for k in w)
+    state = json.loads((mixed["final"] / "train_state.json").read_text())
+    assert state["train"]["shallow_steps"] == 3 and state["train"]["shallow_ttt"] == 1
+    # killed at step 4 (the step-3 checkpoint is the last saved, one step before the switch is crossed again)
+    shallow = ["train.shallow_steps=3", "train.shallow_ttt=1"]
+    assert run("killed", shallow, stop_after=4)["final"] is None
+    resumed = run("killed", shallow + ["train.resume=true"])
+    for k, v in w.items():
+        assert torch.equal(v, weights(resumed)[k]), k
+    with pytest.raises(RecipeError, match=r"train\.shallow_ttt` = 4 > `train\.ttt_steps` = 3"):
+        load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.shallow_steps=2", "train.shallow_ttt=4"]))
