@@ -594,7 +594,7 @@ def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
     assert any(not torch.equal(w[k], weights(deep)[k]) for k in w)
     state = json.loads((mixed["final"] / "train_state.json").read_text())
     assert state["train"]["shallow_steps"] == 3 and state["train"]["shallow_ttt"] == 1
-    # killed at step 4 (the step-3 checkpoint is the last saved, one step before the switch is crossed again)
+    # killed at step 4: the resume starts from the step-3 checkpoint, the first step past the switch
     shallow = ["train.shallow_steps=3", "train.shallow_ttt=1"]
     assert run("killed", shallow, stop_after=4)["final"] is None
     resumed = run("killed", shallow + ["train.resume=true"])
