@@ -26,12 +26,23 @@ WEIGHT_GROWTH = 100
 
 
 def lr_lambda(tc):
-    def f(step):
-        if step < tc.warmup_steps:
-            return (step + 1) / (tc.warmup_steps + 1)
-        frac = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+    def shape(step, start):  # warmup from `start`, then decay to 0 at max_steps
+        s = step - start
+        if s < tc.warmup_steps:
+            return (s + 1) / (tc.warmup_steps + 1)
+        frac = min(1.0, (s - tc.warmup_steps) / max(1, tc.max_steps - start - tc.warmup_steps))
         return {"cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac, "constant": 1.0}[tc.scheduler]
+
+    def f(step):
+        # train.deep_learning_rate: the deep steps get a schedule of their own; the shallow ones keep the single one
+        if deep_restart(tc) and step >= tc.shallow_steps:
+            return tc.deep_learning_rate / tc.learning_rate * shape(step, tc.shallow_steps)
+        return shape(step, 0)
     return f
+
+
+def deep_restart(tc):
+    return tc.deep_learning_rate > 0 and 0 < tc.shallow_steps < tc.max_steps
 
 
 def make_accelerator(cfg, out):

@@ -219,6 +219,11 @@ class TrainConfig:
     # at batch 8 on 2 CPU cores) and teaches step 0 no less per step: cheap early steps, deep steps once it drafts well
     shallow_steps: int = spec(0, check=">= 0")
     shallow_ttt: int = spec(1, check="> 0")
+    # > 0: the steps from `shallow_steps` on restart the schedule (warmup_steps, then decay to 0 at max_steps) with
+    # this peak and fresh AdamW moments (DeepSpeed: the moments carry on); the shallow steps keep the one schedule
+    # over max_steps. On the SmolLM2 head 600 deep steps at 5e-4 from step 2,600 of a 3,200-step run beat 900 on
+    # the decayed single schedule: held-out acc_2 0.436 vs 0.405 (bench/RESULTS.md "## The deep steps restart")
+    deep_learning_rate: float = spec(0.0, check=">= 0")
     # weight of TTT step k is ttt_decay**k (1.0 against 0.8 as a TTT-5 polish of the SmolLM2 head: held-out chain of
     # 4 1.887 vs 1.894, bench/RESULTS.md "## A loss mask for the deeper TTT steps")
     ttt_decay: float = spec(0.8, check="in (0, 1]")

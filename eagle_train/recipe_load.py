@@ -128,6 +128,10 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
                         "0 = embeddings, which no engine captures); negative indices are not allowed")
     if len(cfg.train.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.train.adam_betas):
         problems.append(f"`train.adam_betas` = {list(cfg.train.adam_betas)} must be two numbers in [0, 1)")
+    if cfg.train.deep_learning_rate > 0 and not 0 < cfg.train.shallow_steps < cfg.train.max_steps:
+        problems.append(f"`train.deep_learning_rate` = {cfg.train.deep_learning_rate} restarts the schedule at "
+                        f"`train.shallow_steps` = {cfg.train.shallow_steps}, which must lie between 0 and "
+                        f"`train.max_steps` = {cfg.train.max_steps}; set both or drop train.deep_learning_rate")
     if cfg.train.shallow_steps > 0 and cfg.train.shallow_ttt > cfg.train.ttt_steps:
         problems.append(f"`train.shallow_ttt` = {cfg.train.shallow_ttt} > `train.ttt_steps` = {cfg.train.ttt_steps}: the "
                         "early steps are meant to unroll fewer TTT steps, not more; lower train.shallow_ttt")

@@ -30,9 +30,10 @@ from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
 from eagle_train.dump_reader import check_contract
-from eagle_train.engine import (LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights, find_checkpoint,
-                                gather_from_ranks, gathered, last_sound, log_curve, lr_lambda, make_accelerator,
-                                max_abs, param_digest, read_checkpoint, save_checkpoint, shared_draft_vocab, trim_curve)
+from eagle_train.engine import (LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights, deep_restart,
+                                find_checkpoint, gather_from_ranks, gathered, last_sound, log_curve, lr_lambda,
+                                make_accelerator, max_abs, param_digest, read_checkpoint, save_checkpoint,
+                                shared_draft_vocab, trim_curve)
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
@@ -179,6 +180,10 @@ def main(cfg, target=None, stop_after=None):
         b = targets(features(load_batch(ds, collate, plan[epoch][pos], dev)))
         logging = (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps
         core.ttt_steps = tc.shallow_ttt if step < tc.shallow_steps else tc.ttt_steps
+        if step == tc.shallow_steps and micro % tc.grad_accum == 0 and deep_restart(tc) and not deepspeed:
+            # the deep unroll's gradients are not the shallow ones': AdamW's moments start over with the schedule
+            # (a checkpoint saved after this step holds the fresh ones, so a resume matches)
+            opt.optimizer.state.clear()
         with accelerator.accumulate(model):
             loss, stats = model(b, with_stats=logging)
             sound = torch.isfinite(loss.detach()) & (loss.detach().abs() < LOSS_CAP)
@@ -248,6 +253,7 @@ def main(cfg, target=None, stop_after=None):
                 "train": {"mode": tc.mode, "storage": cfg.dump.storage if tc.mode == "offline" else None,
                           "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
                           "shallow_steps": tc.shallow_steps, "shallow_ttt": tc.shallow_ttt,
+                          "deep_learning_rate": tc.deep_learning_rate,
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
                           "init": cfg.head.init},
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,

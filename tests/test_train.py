@@ -602,3 +602,46 @@ def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
         assert torch.equal(v, weights(resumed)[k]), k
     with pytest.raises(RecipeError, match=r"train\.shallow_ttt` = 4 > `train\.ttt_steps` = 3"):
         load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.shallow_steps=2", "train.shallow_ttt=4"]))
+
+
+def test_deep_learning_rate_restarts_schedule_and_moments(tmp_path):
+    """train.deep_learning_rate: from shallow_steps on, a warmup and decay of its own to that peak (the shallow steps
+    keep the single schedule), and fresh AdamW moments: at an equal learning rate the moments alone tell the runs
+    apart; a run killed across the restart resumes to the same weights; a restart outside the run is refused."""
+    from types import SimpleNamespace
+
+    from eagle_train.engine import lr_lambda
+    from eagle_train.recipe import RecipeError
+
+    tc = SimpleNamespace(warmup_steps=2, max_steps=10, scheduler="cosine", learning_rate=1e-3,
+                         deep_learning_rate=5e-4, shallow_steps=6)
+    single, restart = lr_lambda(SimpleNamespace(**{**vars(tc), "deep_learning_rate": 0.0})), lr_lambda(tc)
+    assert [restart(s) for s in range(6)] == [single(s) for s in range(6)]
+    assert restart(6) == pytest.approx(0.5 / 3) and restart(7) == pytest.approx(0.5 * 2 / 3)
+    assert restart(8) == pytest.approx(0.5) and restart(9) == pytest.approx(0.25)  # cosine from step 8 to 10
+
+    target = make_tiny_llama(vocab_size=128)
+    data = tmp_path / "data"
+    write_corpus(synthetic(n=24), data)
+    flat = [f"data.output={data}", "train.save_every=3", "train.shallow_steps=3", "train.shallow_ttt=1",
+            "train.scheduler=constant", "train.warmup_steps=0"]
+
+    def run(name, extra, **kw):
+        return train.main(load_recipe(None, tiny_args(tmp_path / name, steps=6, extra=flat + extra)),
+                          target=target, **kw)
+
+    def weights(res):
+        return load_file(res["final"] / "model.safetensors")
+
+    kept = weights(run("kept", []))
+    fresh = run("fresh", ["train.deep_learning_rate=3e-3"])  # the same rate as train.learning_rate: moments only
+    w = weights(fresh)
+    assert any(not torch.equal(w[k], kept[k]) for k in w)
+    assert json.loads((fresh["final"] / "train_state.json").read_text())["train"]["deep_learning_rate"] == 3e-3
+    # killed at step 4: the resume loads the step-3 checkpoint (saved before the restart) and restarts there too
+    assert run("killed", ["train.deep_learning_rate=3e-3"], stop_after=4)["final"] is None
+    resumed = weights(run("killed", ["train.deep_learning_rate=3e-3", "train.resume=true"]))
+    for k, v in w.items():
+        assert torch.equal(v, resumed[k]), k
+    with pytest.raises(RecipeError, match=r"train\.deep_learning_rate` = 0.001 restarts .* `train\.shallow_steps` = 0"):
+        load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.deep_learning_rate=1e-3"]))
