@@ -34,6 +34,13 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
+default_out = ROOT / "bench" / "curves.png"
+
+
+def shown(path):  # as the README and RESULTS name it: relative to the repository when inside it
+    path = Path(path).resolve()
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
 from eagle_train.baselines import vanilla_generate  # noqa: E402
 from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
 from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
@@ -71,7 +78,7 @@ def main():
     ap.add_argument("--num-draft-tokens", type=int, default=16)
     ap.add_argument("--steps", nargs="*", help="measure tau only at these steps (default: every snapshot); "
                     "one comma list per run (e.g. 50,150 200) gives each run its own")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "curves.png")
+    ap.add_argument("--out", type=Path, default=default_out)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--phases", action="store_true", help="runs are consecutive phases of one head: x adds up")
     a = ap.parse_args()
@@ -145,11 +152,12 @@ def main():
     lines = [f"`python bench/curves.py {' '.join(map(str, a.runs))} --labels {' '.join(labels)}"
              f"{' --phases' if a.phases else ''}{' --steps ' + ' '.join(map(str, a.steps)) if a.steps else ''}"
              f"{'' if a.prompts == 3 else f' --prompts {a.prompts}'}"
-             f"{'' if a.max_new_tokens == 64 else f' --max-new-tokens {a.max_new_tokens}'}` "
+             f"{'' if a.max_new_tokens == 64 else f' --max-new-tokens {a.max_new_tokens}'}"
+             f"{'' if a.out == default_out else f' --out {shown(a.out)}'}` "
              f"({time.strftime('%Y-%m-%d')}): tau greedy on the first turns of {a.prompts} prompts of each of "
              f"{', '.join(a.benchmarks)} ({a.max_new_tokens} new tokens, dynamic tree {setting}; every output equal to "
              f"`generate`); CPU-minutes = training process CPU time (2 threads), torch {torch.__version__}, "
-             f"{platform.machine()}, load average {os.getloadavg()[0]:.1f}. Plot: `bench/curves.png`.", "",
+             f"{platform.machine()}, load average {os.getloadavg()[0]:.1f}. Plot: `{shown(a.out)}`.", "",
              "| run | step | tokens (M) | CPU-min | wall-min | held-out acc_0 | acc_1 | tau |", "|---|---|---|---|---|---|---|---|"]
     for label, rows in curves:
         for r in rows:
