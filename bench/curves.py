@@ -34,6 +34,12 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 
+from eagle_train.baselines import vanilla_generate  # noqa: E402
+from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
+from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
+from eagle_train.heads import load_head  # noqa: E402
+from eagle_train.eval.run import load_prompts, render  # noqa: E402
+
 default_out = ROOT / "bench" / "curves.png"
 
 
@@ -41,11 +47,6 @@ def shown(path):  # as the README and RESULTS name it: relative to the repositor
     path = Path(path).resolve()
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
-from eagle_train.baselines import vanilla_generate  # noqa: E402
-from eagle_train.decoding import SpecConfig, speculative_generate  # noqa: E402
-from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
-from eagle_train.heads import load_head  # noqa: E402
-from eagle_train.eval.run import load_prompts, render  # noqa: E402
 
 EVAL_SETS = ROOT.parent / "shared" / "data" / "eagle_eval"
 

@@ -41,8 +41,8 @@ def lr_lambda(tc):
     return f
 
 
-def deep_restart(tc):
-    return tc.deep_learning_rate > 0 and 0 < tc.shallow_steps < tc.max_steps
+def deep_restart(tc):  # recipe validation has made sure 0 < shallow_steps < max_steps then
+    return tc.deep_learning_rate > 0
 
 
 def make_accelerator(cfg, out):
