@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from eagle_train.data_prep.readers import Skips, read_conversations, with_system_prompt
 from eagle_train.data_prep.templates import TemplateError, special_ids, tokenize_conversation
+from eagle_train.recipe import RecipeError
 from eagle_train.files import atomic_dir
 
 def _features():
@@ -94,6 +95,9 @@ def main(cfg) -> dict:
         raise ValueError(f"target.model={cfg.target.model!r}: the tokenizer has no chat template; "
                          "prep renders conversations with the target's own template")
 
+    if d.prompt_template is not None and not cfg.regen.enabled:
+        raise RecipeError(f"`data.prompt_template` = {d.prompt_template!r} makes tasks for the target to answer: run "
+                          "`eagle-train regen <recipe>` first, then prep with regen.enabled=true")
     # 1. read + normalize (bad records are counted, never fatal); regen.enabled: the target's own replies
     source, fmt, limit, source_name = d.source, d.format, d.max_conversations, d.source
     if cfg.regen.enabled:  # its shard files, not the bookkeeping beside them

@@ -17,6 +17,7 @@ import codecs
 import gzip
 import importlib.util
 import json
+import string
 import warnings
 import zlib
 from collections import Counter
@@ -307,11 +308,30 @@ def iter_records(source, split: str = "train", skips: Optional[Skips] = None) ->
         yield from iter_hub(source, split)
 
 
+def template_fields(template: str) -> set:
+    """The {fields} of a `data.prompt_template` (ValueError for a malformed one, e.g. a lone brace)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+def as_task(msgs: List[Dict[str, str]], template: str) -> List[Dict[str, str]]:
+    """`data.prompt_template` filled with the conversation's first user turn and first assistant reply: one user
+    turn (after the system turn, if any) for the target to answer; the old reply stays only as a placeholder that
+    regen replaces, so prep refuses a template without regen.enabled."""
+    first = {role: next((m["content"] for m in msgs if m["role"] == role), "") for role in ("user", "assistant")}
+    for role in ("user", "assistant"):
+        if "{" + role + "}" in template and not first[role].strip():
+            raise BadRecord("no_template_text", f"data.prompt_template needs its first {role} turn, which is empty")
+    head = msgs[:1] if msgs[0]["role"] == "system" else []
+    return head + [{"role": "user", "content": template.format(**first)}, {"role": "assistant", "content": ""}]
+
+
 def read_conversations(source, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
-                       limit: Optional[int] = None, skip: int = 0, min_prompt_chars: int = 0) -> Iterator[Conversation]:
+                       limit: Optional[int] = None, skip: int = 0, min_prompt_chars: int = 0,
+                       prompt_template: Optional[str] = None) -> Iterator[Conversation]:
     """Normalized conversations from `source`; bad records go to `skips`. Passes over the first `skip`
-    usable ones (bad records are not counted), then keeps those whose first user turn has at least
-    `min_prompt_chars` characters (the others counted as `short_prompt`) and stops after `limit` kept."""
+    usable ones (bad records are not counted), turns each into `prompt_template`'s task when given, then keeps
+    those whose first user turn has at least `min_prompt_chars` characters (the others counted as
+    `short_prompt`) and stops after `limit` kept."""
     skips = skips if skips is not None else Skips()
     kept = passed = 0
     if limit is not None and limit <= 0:
@@ -326,6 +346,12 @@ def read_conversations(source, fmt: str = "auto", split: str = "train", skips: O
         if passed < skip:
             passed += 1
             continue
+        if prompt_template is not None:
+            try:
+                msgs = as_task(msgs, prompt_template)
+            except BadRecord as bad:
+                skips.add(bad.reason, rid)
+                continue
         if min_prompt_chars and len(next((m["content"] for m in msgs if m["role"] == "user"), "")) < min_prompt_chars:
             skips.add("short_prompt", rid)
             continue

@@ -55,9 +55,10 @@ on_shard_written = None
 def settings_of(cfg) -> dict:
     """Everything the generated text depends on (stored in regen.json, compared on reruns)."""
     d, r = cfg.data, cfg.regen
-    # older folders lack these two
+    # older folders lack these
     skip = {"skip_conversations": d.skip_conversations} if d.skip_conversations else {}
     skip |= {"min_prompt_chars": d.min_prompt_chars} if d.min_prompt_chars else {}
+    skip |= {"prompt_template": d.prompt_template} if d.prompt_template is not None else {}
     return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
             "dtype": cfg.target.dtype, "source": d.source, "data_format": d.format, "split": d.split,
             "max_conversations": d.max_conversations, "system_prompt": d.system_prompt, "max_length": d.max_length,
@@ -83,7 +84,7 @@ def main(cfg, model=None, tok=None) -> dict:
     skips = Skips()
     convs = []
     for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations,
-                                cfg.data.skip_conversations, cfg.data.min_prompt_chars):
+                                cfg.data.skip_conversations, cfg.data.min_prompt_chars, cfg.data.prompt_template):
         convs.append((c.id, with_system_prompt(c.messages, cfg.data.system_prompt)))
     if not convs:
         raise CorpusError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)}, "

@@ -86,6 +86,12 @@ class DataConfig:
     # the conversations it keeps. SmolLM2 A/B (bench/RESULTS.md "## Phase B on replies to long prompts"): its replies to
     # long prompts as phase B did not lift summarization beyond noise, so the recipes leave it at 0
     min_prompt_chars: int = spec(0, check=">= 0")
+    # a task made of the corpus' own text, for the target to answer (`eagle-train regen`; prep then needs
+    # regen.enabled): each conversation becomes one user turn, this template with {user} / {assistant} filled by its
+    # first user turn / first assistant reply, e.g. "Summarize the following text.\n\n{assistant}". Replies that copy
+    # from their prompt, which ShareGPT's rarely do (1.7% of its assistant tokens against 7.7% of SmolLM2's summaries:
+    # bench/RESULTS.md "## Why summarization trails"). Applied before min_prompt_chars
+    prompt_template: Optional[str] = None
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
     # fraction of conversations held out for evaluation during training

@@ -128,6 +128,17 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
                         "0 = embeddings, which no engine captures); negative indices are not allowed")
     if len(cfg.train.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.train.adam_betas):
         problems.append(f"`train.adam_betas` = {list(cfg.train.adam_betas)} must be two numbers in [0, 1)")
+    if cfg.data.prompt_template is not None:
+        from eagle_train.data_prep.readers import template_fields
+
+        try:
+            names = template_fields(cfg.data.prompt_template)
+        except ValueError as err:
+            names = {f"malformed: {err}"}
+        if not names or not names <= {"user", "assistant"}:
+            problems.append(f"`data.prompt_template` = {cfg.data.prompt_template!r} must name {{user}} and/or "
+                            f"{{assistant}} and no other field (found: {sorted(names) or 'none'}); write a literal "
+                            "brace as {{ or }}")
     if cfg.train.deep_learning_rate > 0 and not 0 < cfg.train.shallow_steps < cfg.train.max_steps:
         problems.append(f"`train.deep_learning_rate` = {cfg.train.deep_learning_rate} restarts the schedule at "
                         f"`train.shallow_steps` = {cfg.train.shallow_steps}, which must lie between 0 and "

@@ -406,6 +406,8 @@ CASES += [
     ("regen-max-conversations-zero", regen_as("data.max_conversations=0"), r"data\.max_conversations"),
     ("negative-warmup", lambda w, c: offline(w, c, "train.warmup_steps=-1"), r"train\.warmup_steps"),
     ("skip-conversations-negative", lambda w, c: offline(w, c, "data.skip_conversations=-1"), r"data\.skip_conversations"),
+    ("prompt-template-unknown-field", lambda w, c: offline(w, c, "data.prompt_template=Summarize {text}"),
+     r"data\.prompt_template.*\{user\}.*'text'"),
     ("min-prompt-chars-negative", lambda w, c: offline(w, c, "data.min_prompt_chars=-5"), r"data\.min_prompt_chars"),
     ("extra-dump-missing", lambda w, c: offline(w, c, f"train.extra_dumps=[{c}/no-such-dump]"),
      r"no-such-dump \(train\.extra_dumps\[0\]\)"),

@@ -81,6 +81,42 @@ def test_turn_structure_eos_and_prep(tmp_path, smollm2):
         prep(load_recipe(None, args(tmp_path, src, "regen.enabled=true", "regen.max_new_tokens=32")))
 
 
+def test_prompt_template_makes_tasks_the_target_answers(tmp_path, smollm2):
+    # data.prompt_template: each conversation becomes one user turn built from its own text; the target answers it,
+    # a record without the text is counted, and prep refuses the tasks without the target's replies
+    model, tok = smollm2
+    src = write_jsonl(tmp_path / "c.jsonl", [
+        sharegpt("a", ("human", "Tell me about owls."), ("gpt", "Owls hunt at night."), ("human", "More?"), ("gpt", "No")),
+        sharegpt("empty", ("human", "Say nothing."), ("gpt", " ")),
+        sharegpt("sys", ("system", "You are terse."), ("human", "Why is the sky blue?"), ("gpt", "Rayleigh scattering.")),
+    ])
+    # quoted: unquoted, "text: {assistant}" is a YAML mapping to OmegaConf
+    template = ['data.prompt_template="Repeat this text word for word: {assistant}"']
+    cfg = load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=12", *template))
+    summary = regenerate.main(cfg, model, tok)
+    recs = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "regen" / "shard-00000.jsonl").read_text()
+                                                .splitlines())}
+    assert set(recs) == {"a", "sys"} and summary["skipped_records"] == {"no_template_text": 1}
+    assert [m["role"] for m in recs["a"]] == ["user", "assistant"]  # one task, not the conversation's two turns
+    assert recs["a"][0]["content"] == "Repeat this text word for word: Owls hunt at night."
+    assert recs["sys"][:2] == [{"role": "system", "content": "You are terse."},
+                               {"role": "user", "content": "Repeat this text word for word: Rayleigh scattering."}]
+    assert all(m[-1]["content"].strip() for m in recs.values())  # the replies are the target's, never the placeholder
+    assert summary["prompt_template"] == "Repeat this text word for word: {assistant}"
+
+    from eagle_train.data_prep.prepare import main as prep
+
+    stats = prep(load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=12", "regen.enabled=true",
+                                        "data.eval_fraction=0", *template)))
+    assert stats["conversations"]["kept"] == 2
+    with pytest.raises(RecipeError, match=r"data\.prompt_template.*regen"):
+        prep(load_recipe(None, args(tmp_path, src, *template)))
+    # another template is other replies: the folder refuses to mix them
+    with pytest.raises(RecipeError, match="prompt_template"):
+        regenerate.main(load_recipe(None, args(tmp_path, src, "regen.max_new_tokens=12",
+                                               "data.prompt_template='Summarize: {assistant}'")), model, tok)
+
+
 def test_empty_reply_is_dropped_and_counted(tmp_path, smollm2, monkeypatch):
     model, tok = smollm2
     src = write_jsonl(tmp_path / "c.jsonl", [
