@@ -41,8 +41,8 @@ demo: install
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump three
 # corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, 27 min),
-# 2,900 steps over them (~6.8 epochs): the first 2,400 with 1 TTT step (~0.7-0.9 s each), the last 500 with 3
-# (~2.2-2.9 s; ~59 min in all); phase B:
+# 2,800 steps over them (~6.6 epochs): the first 1,900 with 1 TTT step (~0.9 s each), the last 900 with 3 (~2.6 s;
+# 63.5 min in all); phase B:
 # the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
 # and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
 # the eval and the export (4-8 min): 116 min from a clean clone on a slow night (bench/RESULTS.md "## Phase A starts
@@ -60,10 +60,9 @@ FULL ?= output_dir=$(OUT)
 # epochs); the third starts after phase B's prompts (2,601-2,920), so no prompt is seen twice
 MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
-# phase A's first 2,400 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 500 all 3 and restart the
-# schedule at 5e-4 with fresh AdamW moments (train.deep_learning_rate): held-out acc_0 0.572 against 0.560 for
-# 1,900 + 900 steps on one schedule (bench/RESULTS.md "## The deep steps restart their schedule")
-PA ?= train.max_steps=2900 train.shallow_steps=2400 train.deep_learning_rate=5e-4 train.eval_every=100 \
+# phase A's first 1,900 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 900 all 3: held-out acc_0
+# 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step")
+PA ?= train.max_steps=2800 train.shallow_steps=1900 train.eval_every=100 \
       'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
