@@ -46,7 +46,8 @@ demo: install
 # the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
 # and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
 # the eval and the export (4-8 min): 116 min from a clean clone on a slow night (bench/RESULTS.md "## Phase A starts
-# with 1 TTT step").
+# with 1 TTT step"). Another box may take longer: an AMD EPYC 2-core box ran the dumps 1.2x and the
+# training steps 1.3-1.9x slower (~3 h projected; "## Tasks made of the corpus' text").
 # The shipped head (heads/) is this recipe's head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
