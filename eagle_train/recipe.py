@@ -90,9 +90,9 @@ class DataConfig:
     # regen.enabled): each conversation becomes one user turn, this template with {user} / {assistant} filled by its
     # first user turn / first assistant reply, e.g. "Summarize the following text.\n\n{assistant}". Replies that copy
     # from their prompt, which ShareGPT's rarely do (1.7% of its assistant tokens against 7.7% of SmolLM2's summaries:
-    # bench/RESULTS.md "## Why summarization trails"). Applied before min_prompt_chars. SmolLM2 A/B: 40 steps on its
-    # summaries of 254 ShareGPT replies left its summarization acc_0 where it was (0.413; "## Tasks made of the
-    # corpus' text"), so the recipes leave it unset
+    # bench/RESULTS.md "## Why summarization trails"). Applied before min_prompt_chars. SmolLM2 A/B ("## Tasks made of
+    # the corpus' text"): 40 steps on its summaries of 254 ShareGPT replies left its summarization acc_0 at 0.413, 160
+    # raised it to 0.441 but not summarization's tau over 96 tokens (1.616 -> 1.632): the recipes leave it unset
     prompt_template: Optional[str] = None
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
