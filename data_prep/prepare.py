@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from eagle_train.data_prep.readers import Skips, read_conversations, with_system_prompt
 from eagle_train.data_prep.templates import TemplateError, special_ids, tokenize_conversation
-from eagle_train.recipe import RecipeError
 from eagle_train.files import atomic_dir
 
 def _features():
@@ -82,11 +81,14 @@ def main(cfg) -> dict:
     """Run the stage for a loaded recipe; returns the stats written to stats.json."""
     import datasets
 
-    from eagle_train.recipe import output_folder
+    from eagle_train.recipe import RecipeError, output_folder
     from eagle_train.target import load_tokenizer, tokenizer_digest
 
     t0 = time.perf_counter()
     d = cfg.data
+    if d.prompt_template is not None and not cfg.regen.enabled:
+        raise RecipeError(f"`data.prompt_template` = {d.prompt_template!r} makes tasks for the target to answer: run "
+                          "`eagle-train regen <recipe>` first, then prep with regen.enabled=true")
     out = output_folder(d.output, "data.output")
     tok = load_tokenizer(cfg.target)
     if not tok.is_fast:
@@ -94,10 +96,6 @@ def main(cfg) -> dict:
     if not tok.chat_template:
         raise ValueError(f"target.model={cfg.target.model!r}: the tokenizer has no chat template; "
                          "prep renders conversations with the target's own template")
-
-    if d.prompt_template is not None and not cfg.regen.enabled:
-        raise RecipeError(f"`data.prompt_template` = {d.prompt_template!r} makes tasks for the target to answer: run "
-                          "`eagle-train regen <recipe>` first, then prep with regen.enabled=true")
     # 1. read + normalize (bad records are counted, never fatal); regen.enabled: the target's own replies
     source, fmt, limit, source_name = d.source, d.format, d.max_conversations, d.source
     if cfg.regen.enabled:  # its shard files, not the bookkeeping beside them

@@ -318,8 +318,8 @@ def as_task(msgs: List[Dict[str, str]], template: str) -> List[Dict[str, str]]:
     turn (after the system turn, if any) for the target to answer; the old reply stays only as a placeholder that
     regen replaces, so prep refuses a template without regen.enabled."""
     first = {role: next((m["content"] for m in msgs if m["role"] == role), "") for role in ("user", "assistant")}
-    for role in ("user", "assistant"):
-        if "{" + role + "}" in template and not first[role].strip():
+    for role in sorted(template_fields(template)):  # a literal "{{user}}" is no field
+        if not first[role].strip():
             raise BadRecord("no_template_text", f"data.prompt_template needs its first {role} turn, which is empty")
     head = msgs[:1] if msgs[0]["role"] == "system" else []
     return head + [{"role": "user", "content": template.format(**first)}, {"role": "assistant", "content": ""}]
