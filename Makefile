@@ -71,15 +71,25 @@ PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/fi
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
       train.save_every=20
 HEADB ?= eval.head=$(OUT)/train-own/final
+# make full keeps to FULL_MINUTES (empty: no limit, every recipe step): when phase A first starts, it gets what is
+# left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it,
+# at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
+# steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run
+FULL_MINUTES ?= 120
+TAIL_MINUTES ?= 30
+BUDGET = $(if $(FULL_MINUTES),train.budget_minutes=$$(cat $(OUT)/budget))
 SWEEP ?= eval.max_prompts=4
 full: install
+	mkdir -p $(OUT) && (test -f $(OUT)/started || date +%s > $(OUT)/started)
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(DUMP) $(RECIPE) $(FULL)
 	$(BIN)/eagle-train prep   $(RECIPE) $(MOREA)
 	$(DUMP) $(RECIPE) $(MOREA)
 	$(BIN)/eagle-train prep   $(RECIPE) $(MOREB)
 	$(DUMP) $(RECIPE) $(MOREB)
-	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA)
+	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
+	  $(TAIL_MINUTES)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
+	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
 	$(REGEN) $(RECIPE) $(OWN)
 	$(BIN)/eagle-train prep   $(RECIPE) $(OWN) regen.enabled=true
 	$(DUMP) $(RECIPE) $(OWN) regen.enabled=true

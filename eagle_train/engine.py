@@ -25,19 +25,48 @@ LOSS_CAP = 1e4
 WEIGHT_GROWTH = 100
 
 
-def lr_lambda(tc):
+def lr_lambda(tc, plan=None):
+    """The schedule's factor at a step. `plan`: the step counts (max_steps, shallow_steps) when train.budget_minutes
+    may lower the recipe's during the run (read at every call, so a lowered count reshapes what is left)."""
+    plan = plan if plan is not None else tc
+
     def shape(step, start):  # warmup from `start`, then decay to 0 at max_steps
         s = step - start
         if s < tc.warmup_steps:
             return (s + 1) / (tc.warmup_steps + 1)
-        frac = min(1.0, (s - tc.warmup_steps) / max(1, tc.max_steps - start - tc.warmup_steps))
+        frac = min(1.0, (s - tc.warmup_steps) / max(1, plan.max_steps - start - tc.warmup_steps))
         return {"cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac, "constant": 1.0}[tc.scheduler]
 
     def f(step):
         # train.deep_learning_rate: the deep steps get a schedule of their own; the shallow ones keep the single one
-        if deep_restart(tc) and step >= tc.shallow_steps:
-            return tc.deep_learning_rate / tc.learning_rate * shape(step, tc.shallow_steps)
+        if deep_restart(tc) and step >= plan.shallow_steps:
+            return tc.deep_learning_rate / tc.learning_rate * shape(step, plan.shallow_steps)
         return shape(step, 0)
+    return f
+
+
+# train.budget_minutes: a phase's step time is the median over this many of its steps (its first 2 in a process,
+# and steps that evaluate or save, left out) before the step counts are fitted to the budget
+BUDGET_PROBE = 20
+
+
+def fit_budget(plan, step, left_s, step_s, deep_s, extra_s):
+    """Lower plan.shallow_steps / plan.max_steps so the steps after `step` fit in `left_s` seconds: `step_s` is a
+    shallow step's time, `deep_s` a deep one's, `extra_s` the evaluations and checkpoints per step. Both phases
+    shrink by one factor, so the run keeps its proportions; counts never grow, a deep phase keeps a step.
+    Returns the factor (1.0: the plan fits)."""
+    s_end = min(plan.shallow_steps, plan.max_steps)
+    shallow_left, deep_left = max(0, s_end - step), plan.max_steps - max(step, s_end)
+    need = shallow_left * (step_s + extra_s) + deep_left * (deep_s + extra_s)
+    if need <= left_s:
+        return 1.0
+    f = max(0.0, left_s) / need
+    if deep_left == 0:  # shallow to the end: only the end moves
+        plan.max_steps = step + max(1, int(shallow_left * f))
+    else:
+        if shallow_left:
+            plan.shallow_steps = step + int(shallow_left * f)
+        plan.max_steps = max(step, plan.shallow_steps) + max(1, int(deep_left * f))
     return f
 
 

@@ -232,6 +232,12 @@ class TrainConfig:
     # over max_steps. On the SmolLM2 head 600 deep steps at 5e-4 from step 2,600 of a 3,200-step run beat 900 on
     # the decayed single schedule: held-out acc_2 0.436 vs 0.405 (bench/RESULTS.md "## The deep steps restart")
     deep_learning_rate: float = spec(0.0, check=">= 0")
+    # wall-clock minutes the training loop may run (set-up, and time while stopped, not counted; None: no limit).
+    # After 20 steps of a phase the steps' time is measured, and when max_steps would not fit, the steps left of
+    # both phases shrink by one factor (a deep step is taken as ttt_steps / shallow_ttt shallow ones until its own
+    # time is measured); the lowered counts are kept in checkpoints, so a resumed run keeps its plan and schedule.
+    # What a slower machine gets is fewer steps, not a longer run
+    budget_minutes: Optional[float] = spec(None, check="finite > 0")
     # weight of TTT step k is ttt_decay**k (1.0 against 0.8 as a TTT-5 polish of the SmolLM2 head: held-out chain of
     # 4 1.887 vs 1.894, bench/RESULTS.md "## A loss mask for the deeper TTT steps")
     ttt_decay: float = spec(0.8, check="in (0, 1]")

@@ -23,6 +23,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+from statistics import median
+from types import SimpleNamespace
 
 import torch
 
@@ -30,10 +32,10 @@ from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
 from eagle_train.dump_reader import check_contract
-from eagle_train.engine import (LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights, deep_restart,
-                                find_checkpoint, gather_from_ranks, gathered, last_sound, log_curve, lr_lambda,
-                                make_accelerator, max_abs, param_digest, read_checkpoint, save_checkpoint,
-                                shared_draft_vocab, trim_curve)
+from eagle_train.engine import (BUDGET_PROBE, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights,
+                                deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered, last_sound,
+                                log_curve, lr_lambda, make_accelerator, max_abs, param_digest, read_checkpoint,
+                                save_checkpoint, shared_draft_vocab, trim_curve)
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
@@ -129,7 +131,9 @@ def main(cfg, target=None, stop_after=None):
                       fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
+    # the step counts: the recipe's, lowered by train.budget_minutes where the steps would not fit in it
+    plan = SimpleNamespace(max_steps=tc.max_steps, shallow_steps=tc.shallow_steps, fitted=[], eval_s=0.0, save_s=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, plan))
     model, opt = accelerator.prepare(model, opt)
     accelerator.register_for_checkpointing(sched)  # stepped by us once per optimizer step
     deepspeed = accelerator.state.deepspeed_plugin is not None
@@ -151,6 +155,8 @@ def main(cfg, target=None, stop_after=None):
             raise CheckpointError(f"{ckpt} holds exploded or non-finite weights; start over with train.resume=false")
         micro, metrics = state["micro_step"], state["metrics"]
         done.update(state.get("progress", {}))
+        if tc.budget_minutes is not None and state.get("budget", {}).get("fitted"):  # the counts it was fitted to
+            vars(plan).update(state["budget"])
         accelerator.print(f"[train] resumed from {ckpt} at step {state['step']}")
     if accelerator.is_main_process and tc.tracker != "none":
         accelerator.init_trackers(tc.project, config=_flat(_plain(cfg)),
@@ -161,26 +167,30 @@ def main(cfg, target=None, stop_after=None):
     step = micro // tc.grad_accum
     trim_curve(accelerator, out, step)  # rows of evaluations after the checkpoint we resume from are redone
     if micro == 0 and held_out is not None:  # the untrained head, for comparison and the curve's origin
+        t_eval = time.perf_counter()
         metrics.update({k.replace("eval/", "eval0/"): v
                         for k, v in evaluate(model, accelerator, held_out, held_out_targets).items()})
         log_curve(accelerator, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
+        plan.eval_s = time.perf_counter() - t_eval
     lengths = sample_lengths(ds) if tc.length_buckets else None
 
     # ------------------------------------------------------------ the loop
-    plan = {}  # epoch -> this rank's micro-batches
-    bar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train", unit="step")
+    order = {}  # epoch -> this rank's micro-batches
+    bar = tqdm(total=plan.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train", unit="step")
     core = accelerator.unwrap_model(model)  # its ttt_steps: train.shallow_ttt early, train.ttt_steps after and in evals
     model.train()
     t0, c0, tokens, last_loss = time.perf_counter(), time.process_time(), 0, float("nan")
-    while step < tc.max_steps and (stop_after is None or step < stop_after):
+    t_step, timed = t0, {"shallow": [], "deep": []}  # train.budget_minutes: this process' step times per phase
+    while step < plan.max_steps and (stop_after is None or step < stop_after):
         epoch, pos = divmod(micro, per_epoch)
-        if epoch not in plan:
-            plan = {epoch: batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes,
+        if epoch not in order:
+            order = {epoch: batch_indices(len(ds), tc.micro_batch_size, accelerator.num_processes,
                                          accelerator.process_index, tc.seed, epoch, lengths)}
-        b = targets(features(load_batch(ds, collate, plan[epoch][pos], dev)))
-        logging = (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps
-        core.ttt_steps = tc.shallow_ttt if step < tc.shallow_steps else tc.ttt_steps
-        if step == tc.shallow_steps and micro % tc.grad_accum == 0 and deep_restart(tc) and not deepspeed:
+        b = targets(features(load_batch(ds, collate, order[epoch][pos], dev)))
+        logging = (step + 1) % tc.log_every == 0 or step + 1 == plan.max_steps
+        phase = "shallow" if step < plan.shallow_steps else "deep"
+        core.ttt_steps = tc.shallow_ttt if phase == "shallow" else tc.ttt_steps
+        if step == plan.shallow_steps and micro % tc.grad_accum == 0 and deep_restart(tc) and not deepspeed:
             # the deep unroll's gradients are not the shallow ones': AdamW's moments start over with the schedule
             # (a checkpoint saved after this step holds the fresh ones, so a resume matches)
             opt.optimizer.state.clear()
@@ -206,6 +216,7 @@ def main(cfg, target=None, stop_after=None):
         sched.step()
         step += 1
         bar.update(1)
+        timed[phase].append(time.perf_counter() - t_step)  # from the end of the last step's evaluation and save
         # progress for the learning curves: tokens seen, CPU seconds of this process (all threads), wall
         now = {"tokens": done["tokens"] + tokens, "cpu_s": done["cpu_s"] + time.process_time() - c0,
                "wall_s": done["wall_s"] + time.perf_counter() - t0}
@@ -216,7 +227,14 @@ def main(cfg, target=None, stop_after=None):
             metrics.update({"train/loss": last_loss, "train/lr": sched.get_last_lr()[0], "train/tokens_per_s": rate,
                             **{f"train/{k}": v for k, v in accs.items()}})
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
-        if held_out is not None and (step % tc.eval_every == 0 or step == tc.max_steps):
+        if tc.budget_minutes is not None and phase not in plan.fitted and len(timed[phase]) >= BUDGET_PROBE + 2:
+            fit_to_budget(tc, plan, accelerator, step, phase, timed[phase][2:], tc.budget_minutes * 60 - now["wall_s"])
+            bar.total = plan.max_steps
+            bar.refresh()
+        evaluating = held_out is not None and (step % tc.eval_every == 0 or step == plan.max_steps)
+        saving = step % tc.save_every == 0 or step == plan.max_steps
+        if evaluating:
+            t_eval = time.perf_counter()
             core.ttt_steps = tc.ttt_steps
             metrics.update(evaluate(model, accelerator, held_out, held_out_targets))
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
@@ -226,13 +244,17 @@ def main(cfg, target=None, stop_after=None):
             if tc.snapshots and accelerator.is_main_process and not (deepspeed and tc.zero_stage == 3):
                 save_head(trained_head(cfg, tconf, head, accelerator.get_state_dict(model), feature_scale),
                           out / "snapshots" / f"step-{step}", extra={"train_state": {"step": step, "progress": now}})
-        if logging or step % tc.save_every == 0 or step == tc.max_steps:
+            plan.eval_s = time.perf_counter() - t_eval
+        if logging or saving:
             check_weights(accelerator, params, bound, step, out)
-        if step % tc.save_every == 0 or step == tc.max_steps:
+        if saving:
+            t_save = time.perf_counter()
             save_checkpoint(accelerator, out, {"step": step, "micro_step": micro, "metrics": metrics, "progress": now,
-                                               "weight_bound": bound, "contract": contract})
+                                               "weight_bound": bound, "contract": contract, "budget": vars(plan)})
+            plan.save_s = time.perf_counter() - t_save
+        t_step = time.perf_counter()
     bar.close()
-    if stop_after is not None and step < tc.max_steps:
+    if stop_after is not None and step < plan.max_steps:
         accelerator.end_training()
         return {"final": None, "metrics": metrics, "step": step}
 
@@ -251,8 +273,10 @@ def main(cfg, target=None, stop_after=None):
                 "target_digest": digest, "tokenizer_digest": contract["tokenizer_digest"],
                 # what the model card reports: the settings this head was trained with
                 "train": {"mode": tc.mode, "storage": cfg.dump.storage if tc.mode == "offline" else None,
-                          "ttt_steps": tc.ttt_steps, "max_steps": tc.max_steps,
-                          "shallow_steps": tc.shallow_steps, "shallow_ttt": tc.shallow_ttt,
+                          "ttt_steps": tc.ttt_steps, "max_steps": plan.max_steps,
+                          "shallow_steps": plan.shallow_steps, "shallow_ttt": tc.shallow_ttt,
+                          "budget_minutes": tc.budget_minutes, "recipe_max_steps": tc.max_steps,
+                          "recipe_shallow_steps": tc.shallow_steps,
                           "deep_learning_rate": tc.deep_learning_rate,
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
                           "init": cfg.head.init},
@@ -267,6 +291,24 @@ def main(cfg, target=None, stop_after=None):
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"final": final, "metrics": metrics, "step": step, "rank_param_sha256": digests}
+
+
+def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
+    """train.budget_minutes, once per phase: the median step time of this phase (every rank's mean, so the ranks
+    agree) and the evaluations' and checkpoints' share per step; lowers the plan's counts where they do not fit."""
+    t = torch.tensor([median(times), plan.eval_s, plan.save_s, left_s], dtype=torch.float64, device=accelerator.device)
+    step_s, eval_s, save_s, left_s = accelerator.reduce(t, "mean").tolist()
+    deep_s = step_s * tc.ttt_steps / tc.shallow_ttt if phase == "shallow" else step_s
+    recipe = (plan.shallow_steps, plan.max_steps)
+    f = fit_budget(plan, step, left_s, step_s, deep_s, eval_s / tc.eval_every + save_s / tc.save_every)
+    plan.fitted = plan.fitted + [phase]
+    said = (f"{phase} steps {step_s:.2f} s, deep {deep_s:.2f} s, evaluations and checkpoints {eval_s:.1f} + "
+            f"{save_s:.1f} s; {left_s / 60:.1f} of train.budget_minutes={tc.budget_minutes} left")
+    if f < 1:
+        accelerator.print(f"[train] budget at step {step}: {said}: steps lowered x{f:.2f}, shallow_steps "
+                          f"{recipe[0]} -> {plan.shallow_steps}, max_steps {recipe[1]} -> {plan.max_steps}")
+    else:
+        accelerator.print(f"[train] budget at step {step}: {said}: the {recipe[1] - step} steps left fit")
 
 
 def tokenizer_digest(cfg, ds):

@@ -604,6 +604,67 @@ def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
         load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.shallow_steps=2", "train.shallow_ttt=4"]))
 
 
+def test_fit_budget_shrinks_both_phases_by_one_factor():
+    """engine.fit_budget: steps that fit are left alone; otherwise the shallow and deep steps left shrink by the
+    same factor (never below one deep step, never growing), and a run shallow to the end moves only its end."""
+    from types import SimpleNamespace
+
+    from eagle_train.engine import fit_budget
+
+    def plan(shallow=2400, end=2900):
+        return SimpleNamespace(shallow_steps=shallow, max_steps=end)
+
+    p = plan()  # 2,378 x 1 s + 500 x 3 s + 2,878 x 0.1 s = 4,165.8 s
+    assert fit_budget(p, 22, 5000, 1.0, 3.0, 0.1) == 1.0 and (p.shallow_steps, p.max_steps) == (2400, 2900)
+    f = fit_budget(p, 22, 2083, 1.0, 3.0, 0.1)
+    assert f == pytest.approx(0.5, abs=1e-3) and (p.shallow_steps, p.max_steps) == (22 + 1189, 22 + 1189 + 250)
+    p = plan()  # in the deep phase only its steps are left
+    assert fit_budget(p, 2450, 901, 1.0, 3.0, 0.0) == pytest.approx(2 / 3, abs=1e-3)
+    assert (p.shallow_steps, p.max_steps) == (2400, 2450 + 300)
+    p = plan()  # no time left: the deep phase still gets its one step, from where the run is
+    assert fit_budget(p, 22, -10, 1.0, 3.0, 0.0) == 0.0 and (p.shallow_steps, p.max_steps) == (22, 23)
+    p = plan(shallow=3000)  # shallow to the end
+    fit_budget(p, 100, 1400, 1.0, 3.0, 0.0)
+    assert (p.shallow_steps, p.max_steps) == (3000, 100 + 1400)
+
+
+def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path):
+    """train.budget_minutes: a budget the recipe's steps overrun lowers both phases after the probe steps, the final
+    head records the counts it was trained with beside the recipe's; a run killed after the fit resumes to the same
+    plan (the new run's own budget does not refit it) and the same weights; an ample budget changes nothing."""
+    from eagle_train.engine import BUDGET_PROBE
+    from eagle_train.recipe import RecipeError
+
+    target = make_tiny_llama(vocab_size=128)
+    data = tmp_path / "data"
+    write_corpus(synthetic(n=24), data)
+    fit_at = BUDGET_PROBE + 2  # the step the shallow phase is fitted at
+    common = [f"data.output={data}", f"train.save_every={fit_at}", "train.shallow_steps=28", "train.shallow_ttt=1"]
+
+    def run(name, extra, **kw):
+        return train.main(load_recipe(None, tiny_args(tmp_path / name, steps=32, extra=common + extra)),
+                          target=target, **kw)
+
+    def state(res):
+        return json.loads((res["final"] / "train_state.json").read_text())["train"]
+
+    tight = run("tight", ["train.budget_minutes=1e-4"])  # 6 ms: every step is over it
+    assert tight["step"] == fit_at + 1
+    got = state(tight)
+    assert (got["shallow_steps"], got["max_steps"]) == (fit_at, fit_at + 1)
+    assert (got["recipe_shallow_steps"], got["recipe_max_steps"], got["budget_minutes"]) == (28, 32, 1e-4)
+    ample = run("ample", ["train.budget_minutes=1e6"])
+    assert ample["step"] == 32 and (state(ample)["shallow_steps"], state(ample)["max_steps"]) == (28, 32)
+    assert run("killed", ["train.budget_minutes=1e-4"], stop_after=fit_at)["final"] is None
+    resumed = run("killed", ["train.budget_minutes=1e6", "train.resume=true"])
+    assert resumed["step"] == fit_at + 1 and state(resumed)["max_steps"] == fit_at + 1
+    w = load_file(tight["final"] / "model.safetensors")
+    for k, v in load_file(resumed["final"] / "model.safetensors").items():
+        assert torch.equal(v, w[k]), k
+    with pytest.raises(RecipeError, match=r"train\.budget_minutes"):
+        load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.budget_minutes=0"]))
+
+
 def test_deep_learning_rate_restarts_schedule_and_moments(tmp_path):
     """train.deep_learning_rate: from shallow_steps on, a warmup and decay of its own to that peak (the shallow steps
     keep the single schedule), and fresh AdamW moments: at an equal learning rate the moments alone tell the runs
