@@ -74,9 +74,11 @@ HEADB ?= eval.head=$(OUT)/train-own/final
 # make full keeps to FULL_MINUTES (empty: no limit, every recipe step): when phase A first starts, it gets what is
 # left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it,
 # at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
-# steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run
+# steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run.
+# The stages after phase A took 26 min on the dev box and 34 on an AMD EPYC 2-core box (bench/RESULTS.md "## The
+# restart recipe on an AMD EPYC box")
 FULL_MINUTES ?= 120
-TAIL_MINUTES ?= 30
+TAIL_MINUTES ?= 35
 BUDGET = $(if $(FULL_MINUTES),train.budget_minutes=$$(cat $(OUT)/budget))
 SWEEP ?= eval.max_prompts=4
 full: install
