@@ -300,7 +300,9 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
     step_s, eval_s, save_s, left_s = accelerator.reduce(t, "mean").tolist()
     deep_s = step_s * tc.ttt_steps / tc.shallow_ttt if phase == "shallow" else step_s
     recipe = (plan.shallow_steps, plan.max_steps)
-    f = fit_budget(plan, step, left_s, step_s, deep_s, eval_s / tc.eval_every + save_s / tc.save_every)
+    # the last step's evaluation and checkpoint come whatever the count: set apart, the rest spread over the steps
+    per_step = eval_s / tc.eval_every + save_s / tc.save_every
+    f = fit_budget(plan, step, left_s - eval_s - save_s, step_s, deep_s, per_step)
     plan.fitted = plan.fitted + [phase]
     said = (f"{phase} steps {step_s:.2f} s, deep {deep_s:.2f} s, evaluations and checkpoints {eval_s:.1f} + "
             f"{save_s:.1f} s; {left_s / 60:.1f} of train.budget_minutes={tc.budget_minutes} left")
