@@ -45,8 +45,8 @@ def lr_lambda(tc, plan=None):
     return f
 
 
-# train.budget_minutes: a phase's step time is the median over this many of its steps (its first 2 in a process,
-# and steps that evaluate or save, left out) before the step counts are fitted to the budget
+# train.budget_minutes: a phase's step time is the median over this many of its steps (its first 2 in a process left
+# out; a step's time stops before its evaluation and save, timed apart) before the step counts are fitted to the budget
 BUDGET_PROBE = 20
 
 
