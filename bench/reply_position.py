@@ -11,6 +11,9 @@ the 3 tokens before it occurred earlier in prompt + reply and were followed by t
 would propose it (repeats and loops), split into copies from the prompt (and those of them the draft vocabulary
 holds) and repeats of the reply; "outside draft vocab": the target's token is not in the (first) head's draft
 vocabulary, so no head can draft it. --record files the table under `## Accuracy by reply position`.
+--depth D > 1 (EAGLE-3 heads) adds a second table: a chain of D drafted from every reply position, the head's later
+steps reading their own output as training's TTT does; per depth d the share accepted given depth d - 1 was (the eval
+report's accept-by-depth for a chain, free of a tree's shape and of bf16 divergence) and the chain's tau.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
 from eagle_train.batches import copy_sources  # noqa: E402
-from eagle_train.decoding import head_aux_layers, target_forward, teacher_forced_drafts  # noqa: E402
+from eagle_train.decoding import head_aux_layers, head_dtype, target_forward, teacher_forced_drafts, to_target_ids  # noqa: E402,E501
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
 from eagle_train.recipe_load import load_recipe  # noqa: E402
 from eagle_train.target import load_target  # noqa: E402
+from eagle_train.ttt import ttt_unroll  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 
@@ -48,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--sets", nargs="+", default=["mt_bench", "alpaca", "qa"])
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=384)
+    ap.add_argument("--depth", type=int, default=1, help="chain depth of the second table (1: no such table)")
     ap.add_argument("--record", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -67,8 +72,12 @@ def main(argv=None):
         if head_aux_layers(head) != aux:
             raise SystemExit(f"{path} reads target layers {head_aux_layers(head)}, {args.heads[0]} reads {aux}: "
                              "compare them in separate runs")
+    if args.depth > 1 and any(h.head_type != "eagle3" for h in heads):
+        ap.error("--depth > 1 needs EAGLE-3 heads (their later draft steps read the head's own output)")
     # (set, bucket or "copyable"/"other") -> [positions, hits per head]
     rows = {}
+    # set -> per head, per depth: [positions that reached the depth, of them accepted]
+    chains = {}
     t0 = time.perf_counter()
     for name in args.sets:
         for p in load_prompts(resolve_benchmark(name, cfg.eval.benchmark_dir), args.prompts):
@@ -95,6 +104,10 @@ def main(argv=None):
                     row[0] += 1
                     for k, hit in enumerate(hits):
                         row[1 + k] += int(hit[j])
+            if args.depth > 1:
+                per_head = chains.setdefault(name, [[[0, 0] for _ in range(args.depth)] for _ in heads])
+                for k, head in enumerate(heads):
+                    chain_counts(head, full, feats, top, P, args.depth, per_head[k])
             print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     order = POSITION_LABELS + ["copyable", "copy from prompt", "copy from prompt, in draft vocab", "copy from reply",
@@ -109,7 +122,34 @@ def main(argv=None):
             if (name, what) in rows:
                 n, *h = rows[(name, what)]
                 lines.append(f"| {name} | {what} | {n} | " + " | ".join(f"{x / n:.3f}" for x in h) + " |")
+    if chains:
+        lines += ["", f"Chain of {args.depth} from every reply position (teacher-forced TTT): accepted at depth d given "
+                      "depth d - 1 was; tau = 1 + the expected accepted length", "",
+                  "| set | head | " + " | ".join(f"depth {d + 1}" for d in range(args.depth)) + " | chain tau |",
+                  "|---|---|" + "---|" * (args.depth + 1)]
+        for name, per_head in chains.items():
+            for label, counts in zip(labels, per_head):
+                rates = [hit / max(1, reached) for reached, hit in counts]
+                tau = 1 + sum(hit for _, hit in counts) / max(1, counts[0][0])
+                lines.append(f"| {name} | {label} | " + " | ".join(f"{r:.3f}" for r in rates) + f" | {tau:.3f} |")
     publish("Accuracy by reply position", lines, args.record)
+
+
+@torch.no_grad()
+def chain_counts(head, full, feats, top, P, depth, counts):
+    """Add to counts[d] = [reached, accepted] a chain of `depth` drafted from each reply position t (P - 1 <= t,
+    every drafted token inside the text): step s guesses token t + 2 + s, the target's greedy top[t + 1 + s]."""
+    L = full.shape[1]
+    end = L - 1 - depth  # the deepest guess, token end + depth, is the text's last
+    if end <= P - 1:
+        return
+    alive = torch.ones(end - (P - 1), dtype=torch.bool)
+    for s, (_, logits) in enumerate(ttt_unroll(head, full, feats[None].to(head_dtype(head)), depth)):
+        guess = to_target_ids(head, logits[0, P - 1:end].argmax(-1))
+        hit = guess == top[P + s:end + 1 + s]
+        counts[s][0] += int(alive.sum())
+        alive = alive & hit
+        counts[s][1] += int(alive.sum())
 
 
 if __name__ == "__main__":
