@@ -34,7 +34,8 @@ from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
 from eagle_train.batches import copy_sources  # noqa: E402
-from eagle_train.decoding import head_aux_layers, head_dtype, target_forward, teacher_forced_drafts, to_target_ids  # noqa: E402,E501
+from eagle_train.decoding import (head_aux_layers, head_dtype, target_forward,  # noqa: E402
+                                  teacher_forced_drafts, to_target_ids)
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
@@ -123,8 +124,8 @@ def main(argv=None):
                 n, *h = rows[(name, what)]
                 lines.append(f"| {name} | {what} | {n} | " + " | ".join(f"{x / n:.3f}" for x in h) + " |")
     if chains:
-        lines += ["", f"Chain of {args.depth} from every reply position (teacher-forced TTT): accepted at depth d given "
-                      "depth d - 1 was; tau = 1 + the expected accepted length", "",
+        lines += ["", f"Chain of {args.depth} from every reply position (teacher-forced TTT): accepted at depth d "
+                      "given depth d - 1 was; tau = 1 + the expected accepted length", "",
                   "| set | head | " + " | ".join(f"depth {d + 1}" for d in range(args.depth)) + " | chain tau |",
                   "|---|---|" + "---|" * (args.depth + 1)]
         for name, per_head in chains.items():
