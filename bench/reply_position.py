@@ -34,8 +34,8 @@ from record import publish  # noqa: E402  (bench/record.py)
 
 from eagle_train.baselines import vanilla_generate  # noqa: E402
 from eagle_train.batches import copy_sources  # noqa: E402
-from eagle_train.decoding import (head_aux_layers, head_dtype, target_forward,  # noqa: E402
-                                  teacher_forced_drafts, to_target_ids)
+from eagle_train.decoding import (head_aux_layers, target_forward, teacher_forced_drafts,  # noqa: E402
+                                  to_target_ids)
 from eagle_train.eval.run import load_prompts, render, resolve_benchmark  # noqa: E402
 from eagle_train.eval.summary import POSITION_LABELS, position_label  # noqa: E402
 from eagle_train.heads import load_head  # noqa: E402
@@ -145,7 +145,7 @@ def chain_counts(head, full, feats, top, P, depth, counts):
     if end <= P - 1:
         return
     alive = torch.ones(end - (P - 1), dtype=torch.bool)
-    for s, (_, logits) in enumerate(ttt_unroll(head, full, feats[None].to(head_dtype(head)), depth)):
+    for s, (_, logits) in enumerate(ttt_unroll(head, full, feats[None], depth)):  # it casts to the head dtype
         guess = to_target_ids(head, logits[0, P - 1:end].argmax(-1))
         hit = guess == top[P + s:end + 1 + s]
         counts[s][0] += int(alive.sum())
