@@ -304,8 +304,11 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
     per_step = eval_s / tc.eval_every + save_s / tc.save_every
     f = fit_budget(plan, step, left_s - eval_s - save_s, step_s, deep_s, per_step)
     plan.fitted = plan.fitted + [phase]
-    said = (f"{phase} steps {step_s:.2f} s, deep {deep_s:.2f} s, evaluations and checkpoints {eval_s:.1f} + "
-            f"{save_s:.1f} s; {left_s / 60:.1f} of train.budget_minutes={tc.budget_minutes} left")
+    # the deep phase measures its own step; the shallow phase projects the deep one from its own
+    steps = f"shallow steps {step_s:.2f} s, deep {deep_s:.2f} s (projected)" if phase == "shallow" \
+        else f"deep steps {step_s:.2f} s"
+    said = (f"{steps}, evaluations and checkpoints {eval_s:.1f} + {save_s:.1f} s; {left_s / 60:.1f} of "
+            f"train.budget_minutes={tc.budget_minutes} left")
     if f < 1:
         accelerator.print(f"[train] budget at step {step}: {said}: steps lowered x{f:.2f}, shallow_steps "
                           f"{recipe[0]} -> {plan.shallow_steps}, max_steps {recipe[1]} -> {plan.max_steps}")

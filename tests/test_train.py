@@ -628,7 +628,7 @@ def test_fit_budget_shrinks_both_phases_by_one_factor():
     assert (p.shallow_steps, p.max_steps) == (3000, 100 + 1400)
 
 
-def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path):
+def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path, capsys):
     """train.budget_minutes: a budget the recipe's steps overrun lowers both phases after the probe steps, the final
     head records the counts it was trained with beside the recipe's; a run killed after the fit resumes to the same
     plan (the new run's own budget does not refit it) and the same weights; an ample budget changes nothing."""
@@ -650,6 +650,9 @@ def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path):
 
     tight = run("tight", ["train.budget_minutes=1e-4"])  # 6 ms: every step is over it
     assert tight["step"] == fit_at + 1
+    # the shallow phase's log projects the deep step from its own
+    said = [line for line in capsys.readouterr().out.splitlines() if "[train] budget at step" in line]
+    assert len(said) == 1 and "shallow steps" in said[0] and "(projected)" in said[0], said
     got = state(tight)
     assert (got["shallow_steps"], got["max_steps"]) == (fit_at, fit_at + 1)
     assert (got["recipe_shallow_steps"], got["recipe_max_steps"], got["budget_minutes"]) == (28, 32, 1e-4)
