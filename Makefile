@@ -63,8 +63,7 @@ MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversati
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
 # phase A's first 1,900 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 900 all 3: held-out acc_0
 # 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step")
-PA ?= train.max_steps=2800 train.shallow_steps=1900 train.eval_every=100 \
-      'train.extra_dumps=[$(OUT)/more/dump,$(OUT)/more3/dump]'
+PA ?= train.max_steps=2800 train.shallow_steps=1900 train.eval_every=100 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
@@ -79,6 +78,13 @@ HEADB ?= eval.head=$(OUT)/train-own/final
 # restart recipe on an AMD EPYC box")
 FULL_MINUTES ?= 120
 TAIL_MINUTES ?= 35
+# under the budget a slow machine skips the third corpus where its dump (~1/3 of the first two's time) would leave
+# phase A under THIRD_MINUTES: on the AMD box 1,460 steps over two corpora (47 min) beat 1,147 over three (36 min),
+# held-out acc_0 0.502 vs 0.488, six-set chain of 4 1.627 vs 1.580 (bench/RESULTS.md "## A slow box: two corpora");
+# the dev box (~55 min left) keeps all three. $(OUT)/extra keeps the choice for a resume.
+THIRD_MINUTES ?= 45
+EXTRA2 = [$(OUT)/more/dump]
+EXTRA3 = [$(OUT)/more/dump,$(OUT)/more3/dump]
 BUDGET = $(if $(FULL_MINUTES),train.budget_minutes=$$(cat $(OUT)/budget))
 SWEEP ?= eval.max_prompts=4
 full: install
@@ -87,8 +93,12 @@ full: install
 	$(DUMP) $(RECIPE) $(FULL)
 	$(BIN)/eagle-train prep   $(RECIPE) $(MOREA)
 	$(DUMP) $(RECIPE) $(MOREA)
-	$(BIN)/eagle-train prep   $(RECIPE) $(MOREB)
-	$(DUMP) $(RECIPE) $(MOREB)
+	test -f $(OUT)/extra || { t0=$$(cat $(OUT)/started); now=$$(date +%s); \
+	  m=$$(( $(or $(FULL_MINUTES),0) - $(TAIL_MINUTES) - (now - t0) * 4 / 3 / 60 )); \
+	  if [ -n "$(FULL_MINUTES)" ] && [ $$m -lt $(THIRD_MINUTES) ]; then echo '$(EXTRA2)' > $(OUT)/extra; \
+	  echo "make full: a third corpus would leave phase A $$m min (THIRD_MINUTES=$(THIRD_MINUTES)): two corpora"; \
+	  else echo '$(EXTRA3)' > $(OUT)/extra; fi; }
+	if grep -q more3 $(OUT)/extra; then $(BIN)/eagle-train prep $(RECIPE) $(MOREB) && $(DUMP) $(RECIPE) $(MOREB); fi
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
 	  $(TAIL_MINUTES)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
