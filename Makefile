@@ -41,8 +41,8 @@ demo: install
 # the full recipe from scratch in under 2 hours on 2 CPU cores, each stage resumable: rerun `make full` after an
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump three
 # corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, 27 min),
-# 2,800 steps over them (~6.6 epochs): the first 1,900 with 1 TTT step (~0.9 s each), the last 900 with 3 (~2.6 s;
-# 63.5 min in all); phase B:
+# 2,800 steps of 8 sequences over them (~6.6 epochs; now counted as 5,600 of 4): the first 1,900 with 1 TTT step
+# (~0.9 s each), the last 900 with 3 (~2.6 s; 63.5 min in all); phase B:
 # the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
 # and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
 # the eval and the export (4-8 min): 116 min from a clean clone on a slow night (bench/RESULTS.md "## Phase A starts
@@ -62,8 +62,11 @@ FULL ?= output_dir=$(OUT)
 MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
 # phase A's first 1,900 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 900 all 3: held-out acc_0
-# 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step")
-PA ?= train.max_steps=2800 train.shallow_steps=1900 train.eval_every=100 "train.extra_dumps=$$(cat $(OUT)/extra)"
+# 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step").
+# Counted in batches of 4 (twice the steps, the same tokens): at equal tokens and time held-out acc_0 0.515 against
+# 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
+PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
+      train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \

@@ -57,8 +57,9 @@ train:
     leaked = ("ACCELERATE_", "DEEPSPEED", "DS_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
               "MASTER_", "CROSS_", "LOCAL_SIZE", "GROUP_", "ROLE_", "TORCHELASTIC", "OMPI_", "PMI_", "CCL_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT) prints its Python stack, so a failure says where
     env = dict(clean, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
-               MASTER_PORT=str(port))
+               MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
     launcher = ["--use_deepspeed", "--zero_stage", str(stage)] if engine == "deepspeed" else ["--multi_gpu"]
     cmd = [str(accelerate), "launch", *launcher, "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"],
@@ -77,7 +78,7 @@ train:
         proc.kill()
         out, err = proc.communicate()
         pytest.fail(f"2-rank launch timed out after 300 s; rank stacks:\n{err[-12000:]}")
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, err[-8000:]
     ckpt = tmp_path / "train/checkpoint"
     if engine == "deepspeed":
         assert (ckpt / "pytorch_model").is_dir()  # a DeepSpeed (ZeRO) checkpoint, not DDP
