@@ -101,7 +101,8 @@ full: install
 	  if [ -n "$(FULL_MINUTES)" ] && [ $$m -lt $(THIRD_MINUTES) ]; then echo '$(EXTRA2)' > $(OUT)/extra; \
 	  echo "make full: a third corpus would leave phase A $$m min (THIRD_MINUTES=$(THIRD_MINUTES)): two corpora"; \
 	  else echo '$(EXTRA3)' > $(OUT)/extra; fi; }
-	if [ "$$(cat $(OUT)/extra)" = '$(EXTRA3)' ]; then $(BIN)/eagle-train prep $(RECIPE) $(MOREB) && $(DUMP) $(RECIPE) $(MOREB); fi
+	if [ "$$(cat $(OUT)/extra)" = '$(EXTRA3)' ]; then \
+	  $(BIN)/eagle-train prep $(RECIPE) $(MOREB) && $(DUMP) $(RECIPE) $(MOREB); fi
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
 	  $(TAIL_MINUTES)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
