@@ -277,6 +277,6 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
 
 
 if __name__ == "__main__":
-    from eagle_train.cli import run_stage
+    from eagle_train.cli import exit_stage, run_stage
 
-    sys.exit(run_stage("dump", sys.argv[1:]))
+    exit_stage(run_stage("dump", sys.argv[1:]))

@@ -322,6 +322,6 @@ def regenerated_source(cfg) -> List[str]:
 
 
 if __name__ == "__main__":
-    from eagle_train.cli import run_stage
+    from eagle_train.cli import exit_stage, run_stage
 
-    sys.exit(run_stage("regen", sys.argv[1:]))
+    exit_stage(run_stage("regen", sys.argv[1:]))

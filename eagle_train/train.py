@@ -371,6 +371,6 @@ if __name__ == "__main__":
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck rank waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    from eagle_train.cli import run_stage
+    from eagle_train.cli import exit_stage, run_stage
 
-    sys.exit(run_stage("train", sys.argv[1:]))
+    exit_stage(run_stage("train", sys.argv[1:]))

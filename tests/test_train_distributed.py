@@ -92,3 +92,17 @@ train:
     assert state["saved_param_sha256"] == digests[0]
     head = load_head(tmp_path / "train/final")
     assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in head.parameters())
+
+
+def test_a_launched_rank_leaves_without_the_interpreter_teardown():
+    """exit_stage: a rank of a multi-process launch (WORLD_SIZE > 1) ends through os._exit, so native thread pools
+    are not torn down (atexit handlers stand for that teardown here); its buffered output still comes out, its exit
+    code stands. A single process exits normally."""
+    code = ("import atexit; from eagle_train.cli import exit_stage; atexit.register(print, 'teardown'); "
+            "print('written'); exit_stage(3)")
+    for world, teardown in (("2", False), ("1", True)):
+        run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WORLD_SIZE=world),
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 3, run.stderr
+        assert run.stdout.startswith("written")  # a pipe is block-buffered: flushed before os._exit
+        assert ("teardown" in run.stdout) == teardown
