@@ -12,7 +12,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import eagle_train.eagle3 as eagle3
@@ -65,21 +64,8 @@ def copy_start(head, start, lm_head_w=None):
             p.copy_(theirs[name].float())
 
 
-def attend(attn, x, cos, sin, s, kv):
-    """Attention of TTT step s over `kv` (this layer's step-0 keys and the diagonal keys of steps 1..s)."""
-    q, k, v = attn.qkv(x, cos, sin)
-    if s == 0:
-        kv.update(k0=k, v0=v, ks=[], vs=[])
-        rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                              is_causal=True)
-    kv["ks"].append(k), kv["vs"].append(v)
-    fn = ttt.merged_ttt_attention if ttt.MERGED and q.device.type == "cpu" else ttt.ttt_attention
-    return fn(q, kv["k0"], kv["v0"], kv["ks"], kv["vs"])
-
-
 def ttt_unroll(head, ids, aux, steps, recompute=False, project=True):
-    """ttt.ttt_unroll with the optional second layer (recompute is ignored)."""
+    """ttt.ttt_unroll with the optional second layer."""
     mid, two = head.midlayer, getattr(head, "layer2", None)
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))
     B, n = hidden.shape[:2]
@@ -88,10 +74,11 @@ def ttt_unroll(head, ids, aux, steps, recompute=False, project=True):
     for s in range(steps):
         tok = ttt.shift(ids, 1 + s)[:, :n]
         cos, sin = head.rotary(hidden, pos + s)
-        o = attend(mid.self_attn, mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin, s, kv1)
+        x = mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden)
+        o = ttt.ttt_step_attention(*mid.self_attn.qkv(x, cos, sin), kv1, recompute)
         out = mid.finish(hidden, mid.self_attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
         if two is not None:
-            o = attend(two.self_attn, two.input_layernorm(out), cos, sin, s, kv2)
+            o = ttt.ttt_step_attention(*two.self_attn.qkv(two.input_layernorm(out), cos, sin), kv2, recompute)
             h = out + two.self_attn.o_proj(o.transpose(1, 2).reshape(B, n, -1))
             out = h + two.mlp(two.post_attention_layernorm(h))
         yield out, head.lm_head(head.norm(out)) if project else head.norm(out)

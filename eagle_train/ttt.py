@@ -207,6 +207,25 @@ def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False, label=None):
     return loss, w.sum(), top if argmax else None, rank if label is not None else None
 
 
+def ttt_step_attention(q, k, v, keys: dict, recompute: bool = False):
+    """One TTT step's attention in one layer. `keys` (empty before step 0, then kept by the caller): step 0 is causal
+    over its own keys and stores them; step s >= 1 adds its keys to the diagonal ones and reads the step-0 keys
+    causally plus the diagonal keys of steps 1..s (`recompute`: in backward, not kept; see ttt_unroll)."""
+    if not keys:
+        keys.update(k0=k, v0=v, ks=[], vs=[])
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              is_causal=True)
+    k0, v0, ks, vs = keys["k0"], keys["v0"], keys["ks"], keys["vs"]
+    ks.append(k), vs.append(v)
+    # copies of ks/vs: backward replays these arguments, and the lists grow at the next step
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
+    if MERGED and q.device.type == "cpu":
+        return merged_ttt_attention(q, k0, v0, ks, vs)
+    return ttt_attention(q, k0, v0, ks, vs)
+
+
 def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True):
     """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
     step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}.
@@ -217,25 +236,12 @@ def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = T
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
     B, n = hidden.shape[:2]
     pos = torch.arange(n, device=ids.device).expand(B, n)
-    ks, vs = [], []
+    keys = {}
     for s in range(steps):
         tok = shift(ids, 1 + s)[:, :n]
         cos, sin = head.rotary(hidden, pos + s)
         q, k, v = attn.qkv(mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin)
-        if s == 0:
-            k0, v0 = k, v
-            rep = q.shape[1] // k.shape[1]
-            o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                               is_causal=True)
-        else:
-            ks.append(k), vs.append(v)
-            # copies of ks/vs: backward replays these arguments, and the lists grow at the next step
-            if recompute and torch.is_grad_enabled():
-                o = checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
-            elif MERGED and q.device.type == "cpu":
-                o = merged_ttt_attention(q, k0, v0, ks, vs)
-            else:
-                o = ttt_attention(q, k0, v0, ks, vs)
+        o = ttt_step_attention(q, k, v, keys, recompute)
         out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
         yield out, head.lm_head(head.norm(out)) if project else head.norm(out)
         hidden = out
