@@ -68,7 +68,7 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
       train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
-       target.dtype=bfloat16 regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
+       target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
       train.save_every=20

@@ -18,14 +18,14 @@ from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, DumpError
 from eagle_train.files import atomic_save, refuse_orphan_pieces
 from eagle_train.recipe import RecipeError
-from eagle_train.target import model_digest, target_id
+from eagle_train.target import compute_dtype, model_digest, target_id
 
 FORMAT = "eagle-train-dump/1"
 
 
 def run_dtype(cfg) -> str:
-    """The dtype the target runs in for the dump."""
-    return cfg.dump.target_dtype or cfg.target.dtype
+    """The dtype the target runs in for the dump (`auto` resolved on this machine: the manifest names the real one)."""
+    return compute_dtype(cfg.dump.target_dtype or cfg.target.dtype, cfg.target.device)
 
 
 def dump_header(cfg, model) -> dict:

@@ -45,7 +45,7 @@ from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text, refuse_orphan_pieces
 from eagle_train.kv_cache import keep_rows
 from eagle_train.recipe import RecipeError
-from eagle_train.target import load_target, resolve_device, target_id
+from eagle_train.target import compute_dtype, load_target, resolve_device, target_id
 
 FORMAT = "eagle-train-regen/1"
 # called as on_shard_written(folder, index) after a shard and its record are on disk (tests, monitors)
@@ -60,7 +60,7 @@ def settings_of(cfg) -> dict:
     skip |= {"min_prompt_chars": d.min_prompt_chars} if d.min_prompt_chars else {}
     skip |= {"prompt_template": d.prompt_template} if d.prompt_template is not None else {}
     return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
-            "dtype": cfg.target.dtype, "source": d.source, "data_format": d.format, "split": d.split,
+            "dtype": compute_dtype(cfg.target.dtype, cfg.target.device), "source": d.source, "data_format": d.format, "split": d.split,
             "max_conversations": d.max_conversations, "system_prompt": d.system_prompt, "max_length": d.max_length,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "max_turns": r.max_turns, "shard_size": r.shard_size, "batch_size": r.batch_size, "seed": r.seed}

@@ -17,6 +17,7 @@ from eagle_train.draft_vocab import build_draft_vocab, load_draft_vocab, save_dr
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.files import atomic_write_text, replace_dir
+from eagle_train.target import cpu_has_fast_bf16
 
 # divergence: a loss above this is no cross-entropy over any vocabulary (ln 256k ~ 12.5 per TTT step)
 LOSS_CAP = 1e4
@@ -136,11 +137,6 @@ def mixed_precision(tc, cuda, multi):
     if asked == "auto":
         return "bf16" if cpu_has_fast_bf16() else "no"
     return "no" if asked == "fp16" else asked
-
-
-def cpu_has_fast_bf16() -> bool:
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # native bf16 dot products
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def merge(a, b):

@@ -24,6 +24,8 @@ class RecipeError(EagleError, ValueError):
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# what a target may run in: `auto` is bfloat16 where the device computes it natively, else float32 (target.compute_dtype)
+RUN_DTYPES = DTYPE_NAMES + ("auto",)
 # a field's `check`: the rule `validate` applies (to each item of a list), as the error states it
 CHECKS = {
     "> 0": lambda v: v > 0,
@@ -52,8 +54,9 @@ class TargetConfig:
     revision: Optional[str] = None
     # GGUF file name inside `model` when `model` is a folder or hub id holding GGUF files
     gguf_file: Optional[str] = None
-    # weights dtype for the frozen target: float32, bfloat16 or float16
-    dtype: str = spec("float32", one_of=DTYPE_NAMES)
+    # weights dtype for the frozen target: float32, bfloat16, float16 or auto (bfloat16 where the device computes it
+    # natively, else float32)
+    dtype: str = spec("float32", one_of=RUN_DTYPES)
     # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     device: str = "auto"
     # run code shipped with the model repo; off unless the recipe asks
@@ -137,8 +140,9 @@ class DumpConfig:
     topk: int = spec(64, check="> 0")
     # dtype the target runs in for the dump (None: target.dtype). bfloat16 on a CPU with native bf16
     # dumps 1.5-1.7x faster than float32; its features differ by ~1% per token (fp8 storage: ~2%) and
-    # its top-1 agrees with fp32's on ~98% of tokens (bench/RESULTS.md); eval and serving keep target.dtype
-    target_dtype: Optional[str] = spec(None, one_of=DTYPE_NAMES)
+    # its top-1 agrees with fp32's on ~98% of tokens (bench/RESULTS.md); eval and serving keep target.dtype.
+    # auto: bfloat16 where the CPU/GPU has it natively, else float32 (emulated bf16 is ~60x slower on a CPU)
+    target_dtype: Optional[str] = spec(None, one_of=RUN_DTYPES)
     # dtype of stored hidden features: bfloat16, float16, float32, or float8 (e4m3 with one float32
     # absmax scale per token and layer; with storage=topk the lean mode, < 4*H bytes per token).
     # topk log-probs are stored as float16 (float32 when dtype=float32)
@@ -344,8 +348,8 @@ class EvalConfig:
     # dtype the target decodes in (None: target.dtype), for the baseline and the head alike. bfloat16 on a
     # CPU with native bf16 makes a tree pass of <= 8 nodes cost about one token (bench/RESULTS.md), but a tree
     # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
-    # their first position; float32 must have none
-    target_dtype: Optional[str] = spec(None, one_of=DTYPE_NAMES)
+    # their first position; float32 must have none. auto: bfloat16 where the CPU/GPU has it natively, else float32
+    target_dtype: Optional[str] = spec(None, one_of=RUN_DTYPES)
     # CPU threads for decoding (0: auto = the cores other work leaves idle at start (/proc/stat), at least 1; the many
     # small ops of a tree step stall when threads outnumber free cores, see bench/RESULTS.md)
     threads: int = spec(0, check=">= 0")

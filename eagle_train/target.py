@@ -26,6 +26,28 @@ ALIASES = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_warned = set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # native bf16 dot products
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def compute_dtype(name: str, device="auto") -> str:
+    """The dtype a target runs in. `auto`: bfloat16 where the device multiplies it natively (a CUDA GPU with bf16,
+    float16 on older ones; a CPU with AVX512-BF16 or AMX), else float32: a CPU without them emulates bf16 matmuls
+    ~60x slower than float32 (bench/RESULTS.md "## A CPU without native bf16"), which is also why an explicit
+    bfloat16 there gets a warning."""
+    dev = resolve_device(device) if isinstance(device, str) else device
+    native = torch.cuda.is_bf16_supported() if dev.type == "cuda" else dev.type == "cpu" and cpu_has_fast_bf16()
+    if name == "auto":
+        return "bfloat16" if native else "float16" if dev.type == "cuda" else "float32"
+    if name == "bfloat16" and dev.type == "cpu" and not native and name not in _warned:
+        _warned.add(name)
+        print("[eagle-train] warning: this CPU has no native bf16 (AVX512-BF16/AMX): a bfloat16 target runs ~60x "
+              "slower than float32 here; use dtype auto or float32")
+    return name
 
 
 def resolve_device(device: str) -> torch.device:
@@ -140,7 +162,7 @@ def load_target(tcfg, with_tokenizer: bool = True):
     path = resolve_model_path(tcfg.model, tcfg.cache_dir, tcfg.gguf_file)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, revision=tcfg.revision, dtype=DTYPES[tcfg.dtype],
+            path, revision=tcfg.revision, dtype=DTYPES[compute_dtype(tcfg.dtype, tcfg.device)],
             trust_remote_code=tcfg.trust_remote_code, attn_implementation=tcfg.attn_implementation)
     except OSError as err:  # no such folder, unknown hub id, offline, truncated weights
         raise not_loadable(tcfg.model, err) from None

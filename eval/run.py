@@ -316,10 +316,11 @@ def setup(cfg, load: dict | None = None):
     """Target, tokenizer and head (on the target's device), every method warmed up; the decoding threads
     from `load` (the caller's `load_at_start`)."""
     from eagle_train.heads import check_head_matches, head_provenance, load_head
-    from eagle_train.target import load_target, model_digest, target_id, tokenizer_digest
+    from eagle_train.target import compute_dtype, load_target, model_digest, target_id, tokenizer_digest
 
     torch.set_num_threads(decode_threads(cfg.eval.threads, load))
-    tcfg = OmegaConf.merge(cfg.target, {"dtype": cfg.eval.target_dtype or cfg.target.dtype})
+    tcfg = OmegaConf.merge(cfg.target, {"dtype": compute_dtype(cfg.eval.target_dtype or cfg.target.dtype,
+                                                               cfg.target.device)})
     model, tok = load_target(tcfg)
     model.eval()
     where = Path(cfg.eval.head).expanduser()

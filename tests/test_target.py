@@ -73,6 +73,43 @@ def test_load_tokenizer_alone_and_dtype(smollm2):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(smollm2, monkeypatch, capsys, native):
+    """dtype=auto: bfloat16 on a CPU with AVX512-BF16/AMX, float32 on one that would emulate it (~60x slower there:
+    bench/RESULTS.md "## A CPU without native bf16"); an explicit bfloat16 on such a CPU is kept, with a warning; the
+    dump's manifest, the regen folder and the eval name the dtype that ran, never `auto`."""
+    from eagle_train.data_prep.dump_folder import run_dtype
+    from eagle_train.data_prep.regenerate import settings_of
+    from eagle_train.eval.run import setup
+    from eagle_train.recipe_load import load_recipe
+
+    monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: native)
+    monkeypatch.setattr(target_mod, "_warned", set())
+    want = "bfloat16" if native else "float32"
+    assert target_mod.compute_dtype("auto", "cpu") == want
+    assert [target_mod.compute_dtype(n, "cpu") for n in ("float32", "float16")] == ["float32", "float16"]
+    assert target_mod.compute_dtype("bfloat16", "cpu") == "bfloat16"
+    target_mod.compute_dtype("bfloat16", "cpu")
+    warned = capsys.readouterr().out
+    assert warned.count("no native bf16") == (0 if native else 1)  # once a process, and only where it is slow
+    model, _ = load_target(tcfg(dtype="auto"), with_tokenizer=False)
+    assert next(model.parameters()).dtype == target_mod.DTYPES[want]
+    cfg = load_recipe(Path(__file__).parents[1] / "recipes/smollm2-135m-eagle3.yaml", ["target.device=cpu"])
+    assert cfg.dump.target_dtype == "auto" and cfg.eval.target_dtype == "auto"  # the shipped recipe asks for auto
+    assert run_dtype(cfg) == want
+    assert settings_of(load_recipe(Path(__file__).parents[1] / "recipes/smollm2-135m-eagle3.yaml",
+                                   ["target.device=cpu", "target.dtype=auto"]))["dtype"] == want
+    asked = []
+    monkeypatch.setattr("eagle_train.target.load_target", lambda t, *a, **k: asked.append(t.dtype) or 1 / 0)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            setup(OmegaConf.merge(cfg, {"eval": {"threads": 1}}))
+    finally:
+        torch.set_num_threads(threads)
+    assert asked == [want]
+
+
 def test_gguf_and_folder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"GGUF file not found: .*missing\.gguf"):
         resolve_model_path(str(tmp_path / "missing.gguf"), str(tmp_path / "cache"))
