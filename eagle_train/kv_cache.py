@@ -39,7 +39,8 @@ def compact_cache(cache: DynamicCache, rows: torch.Tensor, lens: torch.Tensor, s
     when rows leave, one gather drops them."""
     if len(rows) == cache.layers[0].keys.shape[0]:
         b = torch.tensor([j for j, s in enumerate(src) for _ in s], device=rows.device, dtype=torch.long)
-        dst = torch.tensor([int(lens[j]) + k for j, s in enumerate(src) for k in range(len(s))], device=rows.device)
+        dst = torch.tensor([int(lens[j]) + k for j, s in enumerate(src) for k in range(len(s))], device=rows.device,
+                           dtype=torch.long)  # long even when nothing is kept (an empty list is float)
         from_ = torch.tensor([i for s in src for i in s], device=rows.device, dtype=torch.long)
         end = max(int(lens[j]) + len(s) for j, s in enumerate(src))
         for layer in cache.layers:

@@ -91,6 +91,12 @@ def test_tree_logits_equal_sequential_and_cache_after_accept(tiny_llama):
     nxt = torch.tensor([[77]])
     got = model(nxt, cache=cache, use_cache=True).logits[0, -1]
     torch.testing.assert_close(got, model(torch.cat([accepted, nxt], 1)).logits[0, -1], atol=1e-4, rtol=1e-4)
+    # keeping no tree entry rolls the cache back to the prefix (what bench/verify_cost.py does between passes)
+    verify(model, cache, tree, accepted.shape[1] + 1, None)
+    commit_cache(cache, prefix.shape[1], torch.zeros(0, dtype=torch.long))
+    assert cache.get_seq_length() == prefix.shape[1]
+    for layer, ref in zip(cache.layers, _prefix_cache(model, prefix).layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-4)
 
 
 def test_head_tree_draft_equals_sequential_head(tiny_llama):
