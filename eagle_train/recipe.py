@@ -141,7 +141,7 @@ class DumpConfig:
     # dtype the target runs in for the dump (None: target.dtype). bfloat16 on a CPU with native bf16
     # dumps 1.5-1.7x faster than float32; its features differ by ~1% per token (fp8 storage: ~2%) and
     # its top-1 agrees with fp32's on ~98% of tokens (bench/RESULTS.md); eval and serving keep target.dtype.
-    # auto: bfloat16 where the CPU/GPU has it natively, else float32 (emulated bf16 is ~60x slower on a CPU)
+    # auto: bfloat16 where the CPU/GPU has it natively, else float32 (emulated bf16: a dump 6.5x slower)
     target_dtype: Optional[str] = spec(None, one_of=RUN_DTYPES)
     # dtype of stored hidden features: bfloat16, float16, float32, or float8 (e4m3 with one float32
     # absmax scale per token and layer; with storage=topk the lean mode, < 4*H bytes per token).

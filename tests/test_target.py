@@ -75,7 +75,7 @@ def test_load_tokenizer_alone_and_dtype(smollm2):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(smollm2, monkeypatch, capsys, native):
-    """dtype=auto: bfloat16 on a CPU with AVX512-BF16/AMX, float32 on one that would emulate it (~60x slower there:
+    """dtype=auto: bfloat16 on a CPU with AVX512-BF16/AMX, float32 on one that would emulate it (6.5x slower there:
     bench/RESULTS.md "## A CPU without native bf16"); an explicit bfloat16 on such a CPU is kept, with a warning; the
     dump's manifest, the regen folder and the eval name the dtype that ran, never `auto`."""
     from eagle_train.data_prep.dump_folder import run_dtype
