@@ -709,3 +709,22 @@ def test_deep_learning_rate_restarts_schedule_and_moments(tmp_path):
         assert torch.equal(v, resumed[k]), k
     with pytest.raises(RecipeError, match=r"train\.deep_learning_rate` = 0.001 restarts .* `train\.shallow_steps` = 0"):
         load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.deep_learning_rate=1e-3"]))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_cpu_training_precision_follows_native_bf16(monkeypatch, capsys, native):
+    """train.mixed_precision=auto: bf16 autocast only on a CPU that computes bf16 natively (fp32 elsewhere: a phase-A
+    step 39 s against 1.36 s, bench/RESULTS.md "## A CPU without native bf16"); an explicit bf16 there is kept and
+    warned about; GPUs and DeepSpeed's CPU ranks as before."""
+    from types import SimpleNamespace
+
+    from eagle_train import engine
+
+    monkeypatch.setattr(engine, "cpu_has_fast_bf16", lambda: native)
+    tc = SimpleNamespace(mixed_precision="auto", engine="ddp")
+    assert engine.mixed_precision(tc, cuda=False, multi=False) == ("bf16" if native else "no")
+    assert engine.mixed_precision(tc, cuda=True, multi=False) == "bf16"
+    assert engine.mixed_precision(SimpleNamespace(mixed_precision="auto", engine="deepspeed"), False, True) == "no"
+    capsys.readouterr()
+    assert engine.mixed_precision(SimpleNamespace(mixed_precision="bf16", engine="ddp"), False, False) == "bf16"
+    assert ("without native bf16" in capsys.readouterr().out) is not native
