@@ -60,7 +60,8 @@ def settings_of(cfg) -> dict:
     skip |= {"min_prompt_chars": d.min_prompt_chars} if d.min_prompt_chars else {}
     skip |= {"prompt_template": d.prompt_template} if d.prompt_template is not None else {}
     return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
-            "dtype": compute_dtype(cfg.target.dtype, cfg.target.device), "source": d.source, "data_format": d.format, "split": d.split,
+            "dtype": compute_dtype(cfg.target.dtype, cfg.target.device), "source": d.source, "data_format": d.format,
+            "split": d.split,
             "max_conversations": d.max_conversations, "system_prompt": d.system_prompt, "max_length": d.max_length,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "max_turns": r.max_turns, "shard_size": r.shard_size, "batch_size": r.batch_size, "seed": r.seed}
