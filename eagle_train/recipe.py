@@ -24,7 +24,8 @@ class RecipeError(EagleError, ValueError):
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# what a target may run in: `auto` is bfloat16 where the device computes it natively, else float32 (target.compute_dtype)
+# what a target may run in: `auto` is bfloat16 where the device computes it natively, else float32
+# (target.compute_dtype)
 RUN_DTYPES = DTYPE_NAMES + ("auto",)
 # a field's `check`: the rule `validate` applies (to each item of a list), as the error states it
 CHECKS = {
