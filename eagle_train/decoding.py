@@ -33,8 +33,10 @@ optional `d2t` buffer mapping draft ids to target ids (draft_id + d2t[draft_id])
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -56,6 +58,8 @@ class SpecConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     max_new_tokens: int = 256
+    # verify through oneDNN's prepacked fp32 linears (`packed_linears`): auto = a float32 target on a CPU
+    packed_verify: str = "auto"
 
     @classmethod
     def from_eval(cls, ecfg, temperature: float = 0.0, **over) -> "SpecConfig":
@@ -63,7 +67,7 @@ class SpecConfig:
         kw = dict(tree=ecfg.tree, topk=ecfg.topk, depth=ecfg.depth, num_draft_tokens=ecfg.num_draft_tokens,
                   static_tree=[list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
                   temperature=float(temperature), top_p=ecfg.top_p, top_k=ecfg.top_k,
-                  max_new_tokens=ecfg.max_new_tokens)
+                  max_new_tokens=ecfg.max_new_tokens, packed_verify=getattr(ecfg, "packed_verify", "auto"))
         kw.update(over)
         return cls(**kw)
 
@@ -267,11 +271,47 @@ def target_forward(model, input_ids, cache, aux_layers, position_ids=None, atten
     return out.logits[0].float(), feats[0]
 
 
-def verify(model, cache, tree: Tree, past_len: int, aux_layers):
+def verify(model, cache, tree: Tree, past_len: int, aux_layers, packs=None):
+    """The target's pass over the tree; `packs` (packed_linears) computes its linear layers through them."""
     dev = model.device
     mask, pos = tree_mask(tree.parents, tree.depths, past_len, model.dtype, dev)
     ids = torch.tensor([tree.tokens], device=dev)
-    return target_forward(model, ids, cache, aux_layers, pos, mask)
+    with linears_from(packs or {}):
+        return target_forward(model, ids, cache, aux_layers, pos, mask)
+
+
+def packed_linears(model, mode: str = "auto") -> dict:
+    """{nn.Linear of the target: its weight prepacked for oneDNN's fp32 GEMM}, made once and kept on the model; {}
+    where it does not apply (mode off; auto: not a float32 target on a CPU). Why: in fp32 MKL leaves its GEMV path
+    at two rows, so a tree pass of 4-8 tokens cost 2.1-2.4x a one-token pass on an AVX2 CPU; through prepacked
+    weights ~1.0x (bench/RESULTS.md "## A CPU without native bf16"). Costs a second copy of the linear weights;
+    logits within ~1e-4 of MKL's (a tree pass already rounds unlike a one-token pass)."""
+    on = mode == "on" or (mode == "auto" and model.device.type == "cpu" and model.dtype == torch.float32)
+    if not on or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return {}
+    packs = getattr(model, "_eagle_packed_linears", None)
+    if packs is None:
+        packs = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+                 for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        model._eagle_packed_linears = packs
+    return packs
+
+
+def _packed_linear(m, w, x):
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, m.bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@contextlib.contextmanager
+def linears_from(packs: dict):
+    """Inside: each Linear in `packs` computes through its packed weight; outside (generate, the prefill) as before."""
+    for m, w in packs.items():
+        m.forward = partial(_packed_linear, m, w)
+    try:
+        yield
+    finally:
+        for m in packs:
+            del m.forward
 
 
 
@@ -349,6 +389,7 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     if generator is None:
         generator = torch.Generator(device=dev).manual_seed(0)
     aux = head_aux_layers(head)
+    packs = packed_linears(model, cfg.packed_verify)
     cache = DynamicCache()
     ids = input_ids.to(dev)
     logits, feats = target_forward(model, ids, cache, aux, logits_to_keep=1)
@@ -364,7 +405,7 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     while True:
         tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
         t1 = _clock()
-        logits, feats = verify(model, cache, tree, C, aux)
+        logits, feats = verify(model, cache, tree, C, aux, packs)
         if greedy:
             path, bonus = accept_greedy(logits, tree)
         else:

@@ -91,6 +91,19 @@ def test_tree_logits_equal_sequential_and_cache_after_accept(tiny_llama):
     nxt = torch.tensor([[77]])
     got = model(nxt, cache=cache, use_cache=True).logits[0, -1]
     torch.testing.assert_close(got, model(torch.cat([accepted, nxt], 1)).logits[0, -1], atol=1e-4, rtol=1e-4)
+    # the same pass through oneDNN's prepacked linears (eval.packed_verify): the same logits to fp32 rounding, used
+    # only inside the pass
+    from eagle_train.decoding import packed_linears
+
+    packs = packed_linears(model)
+    assert len(packs) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
+    assert packed_linears(model, "off") == {}
+    ref_logits, _ = verify(model, cache, tree, accepted.shape[1] + 1, [1, 3, 5])
+    commit_cache(cache, accepted.shape[1] + 1, torch.zeros(0, dtype=torch.long))
+    got_logits, _ = verify(model, cache, tree, accepted.shape[1] + 1, [1, 3, 5], packs)
+    torch.testing.assert_close(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    commit_cache(cache, accepted.shape[1] + 1, torch.zeros(0, dtype=torch.long))
+    assert not any("forward" in vars(m) for m in packs)  # generate and the prefill see the plain layers
     # keeping no tree entry rolls the cache back to the prefix (what bench/verify_cost.py does between passes)
     verify(model, cache, tree, accepted.shape[1] + 1, None)
     commit_cache(cache, prefix.shape[1], torch.zeros(0, dtype=torch.long))
