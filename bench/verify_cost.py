@@ -1,14 +1,15 @@
 """What verifying a tree costs the target on this machine: one pass over n tokens vs a one-token pass.
 
     python bench/verify_cost.py [--model smollm2-135m-instruct] [--context 200] [--threads 1 2]
-                                [--dtypes float32 bfloat16] [--record]
+                                [--dtypes float32 bfloat16] [--packed] [--record]
 
 After a `--context`-token prefill, times (median of 11) a cached pass over n = 1, 2, 4, 8, 12, 16
 tokens, the shape of a verification pass over a tree of n - 1 drafted nodes. The ratio
 pass(n) / pass(1) is the price of a tree of that size: speculative decoding gains only where
 tau / (ratio + draft cost) > 1, so this table is what `eagle-train sweep` trades against tau.
 Also splits out the target's lm_head (a vocab x hidden matmul) at the same n, the part whose
-cost grows most with n on a CPU. Each dtype is the whole target in that precision (eval.target_dtype):
+cost grows most with n on a CPU. `--packed` adds float32 through oneDNN's prepacked linears (the decoder's
+`eval.packed_verify`, on by default for a float32 target on a CPU). Each dtype is the whole target in that precision (eval.target_dtype):
 on a CPU with native bf16 a bf16 pass over a small tree costs about what a one-token pass costs. `--record` adds the table to bench/RESULTS.md under
 `## Verification cost`.
 """
@@ -47,6 +48,8 @@ def main():
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--packed", action="store_true", help="also float32 through oneDNN's prepacked linears "
+                    "(eval.packed_verify)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     from omegaconf import OmegaConf
@@ -59,6 +62,8 @@ def main():
         model, _ = load_target(OmegaConf.structured(TargetConfig(model=args.model, device="cpu", dtype=dtype)),
                                with_tokenizer=False)
         rows += measure(model, dtype, args)
+        if args.packed and dtype == "float32":
+            rows += measure(model, "float32 packed", args)
     table = [f"`python bench/verify_cost.py` ({time.strftime('%Y-%m-%d')}): {args.model}, "
              f"{args.context}-token cached prefix, median of 11; torch {torch.__version__}, {platform.machine()}, "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}.", "",
@@ -73,7 +78,7 @@ def main():
 def measure(model, dtype, args):
     from transformers import DynamicCache
 
-    from eagle_train.decoding import Tree, verify
+    from eagle_train.decoding import Tree, packed_linears, verify
     from eagle_train.kv_cache import commit_cache
 
     vocab = model.config.vocab_size
@@ -81,6 +86,7 @@ def measure(model, dtype, args):
     prefix = torch.randint(0, vocab, (1, args.context), generator=g)
     head_w = model.get_output_embeddings().weight
     keep_none = torch.zeros(0, dtype=torch.long)
+    packs = packed_linears(model, "on" if dtype.endswith("packed") else "off")
     rows = []
     with torch.no_grad():
         for threads in args.threads:
@@ -92,7 +98,7 @@ def measure(model, dtype, args):
                 # the decoder's own verification pass over a chain of n tokens (tree mask, tree positions,
                 # hidden states, fp32 logits)
                 tree = Tree(torch.randint(0, vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), list(range(n)))
-                verify(model, cache, tree, args.context, None)
+                verify(model, cache, tree, args.context, None, packs)
                 commit_cache(cache, args.context, keep_none)  # back to the prefix: same cache length each pass
 
             for n in SIZES:
