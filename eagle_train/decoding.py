@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import List, Optional
@@ -289,12 +290,17 @@ def packed_linears(model, mode: str = "auto") -> dict:
     on = mode == "on" or (mode == "auto" and model.device.type == "cpu" and model.dtype == torch.float32)
     if not on or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return {}
-    packs = getattr(model, "_eagle_packed_linears", None)
+    packs = _PACKED.get(model)
     if packs is None:
         packs = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
                  for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        model._eagle_packed_linears = packs
+        _PACKED[model] = packs
     return packs
+
+
+# model -> its packed linears, beside the model rather than on it: a copy.deepcopy of the model (a bf16 twin) cannot
+# copy oneDNN's opaque tensors
+_PACKED = weakref.WeakKeyDictionary()
 
 
 def _packed_linear(m, w, x):
