@@ -282,7 +282,7 @@ def verify(model, cache, tree: Tree, past_len: int, aux_layers, packs=None):
 
 
 def packed_linears(model, mode: str = "auto") -> dict:
-    """{nn.Linear of the target: its weight prepacked for oneDNN's fp32 GEMM}, made once and kept on the model; {}
+    """{nn.Linear of the target: its weight prepacked for oneDNN's fp32 GEMM}, made once per model (`_PACKED`); {}
     where it does not apply (mode off; auto: not a float32 target on a CPU). Why: in fp32 MKL leaves its GEMV path
     at two rows, so a tree pass of 4-8 tokens cost 2.1-2.4x a one-token pass on an AVX2 CPU; through prepacked
     weights ~1.0x (bench/RESULTS.md "## A CPU without native bf16"). Costs a second copy of the linear weights;
