@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
 from eagle_train.decoding import (SpecConfig, Tree, _clock, _finish, check_supported, head_aux_layers, head_dtype,
+                                  linears_from, packed_linears,
                                   rerank, speculative_generate, static_paths, to_target_ids)
 from eagle_train.kv_cache import compact, compact_cache, compact_index
 
@@ -182,15 +183,16 @@ def batch_tree_mask(trees: List[Tree], lens: torch.Tensor, past: int, dtype):
     return _additive(allowed, dtype), lens[:, None] + depths.to(dev)
 
 
-def verify_trees(model, cache, trees: List[Tree], lens: torch.Tensor, aux_layers):
-    """One target pass over every row's tree: logits (B, N, V) fp32, features (B, N, F)."""
+def verify_trees(model, cache, trees: List[Tree], lens: torch.Tensor, aux_layers, packs=None):
+    """One target pass over every row's tree: logits (B, N, V) fp32, features (B, N, F); `packs` as in `verify`."""
     dev = model.device
     past = cache.get_seq_length()
     mask, pos = batch_tree_mask(trees, lens, past, model.dtype)
     ids = torch.zeros(len(trees), pos.shape[1], dtype=torch.long, device=dev)
     for b, t in enumerate(trees):
         ids[b, :len(t.tokens)] = torch.tensor(t.tokens, device=dev)
-    return target_pass(model, ids, cache, aux_layers, pos, mask)
+    with linears_from(packs or {}):
+        return target_pass(model, ids, cache, aux_layers, pos, mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +233,7 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
     check_supported(model, max(prompts, key=len)[None], cfg)
     greedy = cfg.temperature == 0
     aux = head_aux_layers(head)
+    packs = packed_linears(model, cfg.packed_verify)
     stats = {"rows": [{"accept_lengths": [], "passes": 0, "tree_sizes": []} for _ in range(B)], "steps": 0,
              "active": [], "t_draft": 0.0, "t_verify": 0.0}
 
@@ -274,7 +277,7 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
         trees = draft_trees(head, hkv, lens, roots, last_out, last_logp, cfg)
         t1 = _clock()
         P = cache.get_seq_length()
-        logits, feats = verify_trees(model, cache, trees, lens, aux)
+        logits, feats = verify_trees(model, cache, trees, lens, aux, packs)
         stats["steps"] += 1
         stats["active"].append(len(rows))
         keep, src, news, paths = [], [], [], []

@@ -354,7 +354,8 @@ class EvalConfig:
     # the tree pass computes the target's linear layers through oneDNN's prepacked fp32 weights (auto: a float32 target
     # on a CPU): a pass over 4-8 tokens then costs ~1x a one-token pass instead of 2.1-2.4x (bench/RESULTS.md "## A CPU
     # without native bf16"), for a second copy of the linear weights
-    packed_verify: str = spec("auto", one_of=("auto", "on", "off"))
+    # (YAML reads a bare on / off as a boolean: taken as "on" / "off")
+    packed_verify: str = spec("auto", one_of=("auto", "on", "off"), aliases={True: "on", False: "off"})
     # CPU threads for decoding (0: auto = the cores other work leaves idle at start (/proc/stat), at least 1; the many
     # small ops of a tree step stall when threads outnumber free cores, see bench/RESULTS.md)
     threads: int = spec(0, check=">= 0")

@@ -124,6 +124,10 @@ def test_field_rules_sit_beside_their_fields_and_name_the_key(tmp_path):
         load_recipe(path, ["train.resume=sometimes"])
     # `no` reads as the boolean false; it means mixed_precision "no"
     assert load_recipe(path, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    # so do `on` / `off` (true / false): eval.packed_verify's "on" / "off", on the command line and in a file
+    assert [load_recipe(path, [f"eval.packed_verify={v}"]).eval.packed_verify for v in ("on", "off")] == ["on", "off"]
+    in_file = write(tmp_path, MINIMAL + "eval:\n  packed_verify: on\n", "pv.yaml")
+    assert load_recipe(in_file).eval.packed_verify == "on"
     with pytest.raises(RecipeError) as err:
         load_recipe(path, ["train.mixed_precision=fp8", "train.ttt_decay=0", "eval.temperatures=[0,-1]",
                            "train.learning_rate=inf", "regen.top_p=1.5", "train.zero_stage=1"])
