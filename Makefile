@@ -78,9 +78,21 @@ HEADB ?= eval.head=$(OUT)/train-own/final
 # at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
 # steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run.
 # The stages after phase A took 26 min on the dev box and 34 on an AMD EPYC 2-core box (bench/RESULTS.md "## The
-# restart recipe on an AMD EPYC box")
+# restart recipe on an AMD EPYC box"); on a CPU without native bf16, where the target runs in fp32, TAIL_NOBF16
+# (bench/RESULTS.md "## `make full` on a CPU without native bf16"). auto: by this CPU
 FULL_MINUTES ?= 120
-TAIL_MINUTES ?= 35
+TAIL_MINUTES ?= auto
+TAIL_NOBF16 ?= 60
+TAIL = $$(if [ "$(TAIL_MINUTES)" = auto ]; then $(BIN)/python -c 'from eagle_train.target import compute_dtype; \
+       print(35 if compute_dtype("auto") != "float32" else $(TAIL_NOBF16))'; else echo $(TAIL_MINUTES); fi)
+# under the budget the first two corpora's dumps stop by DUMP1_SHARE / DUMP2_SHARE percent of the time before the
+# tail (dump.budget_minutes, kept in $(OUT)/dump1.minutes / dump2.minutes for a resume): never reached on a bf16 CPU
+# (14 + 7 min of 85), while a CPU dumping in fp32 (~4x slower) keeps half its time for phase A's steps
+DUMP1_SHARE ?= 35
+DUMP2_SHARE ?= 50
+dump_budget = $(if $(FULL_MINUTES),dump.budget_minutes=$$(f=$(OUT)/$(1).minutes; test -f $$f || echo $$(( \
+  ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - $(TAIL)) * 60 * $(2) / 100 - $$(date +%s)) / 60 )) | \
+  awk '{print ($$1 > 2 ? $$1 : 2)}' > $$f; cat $$f))
 # under the budget a slow machine skips the third corpus where its dump (~1/3 of the first two's time) would leave
 # phase A under THIRD_MINUTES: on the AMD box 1,460 steps over two corpora (47 min) beat 1,147 over three (36 min),
 # held-out acc_0 0.502 vs 0.488, six-set chain of 4 1.627 vs 1.580 (bench/RESULTS.md "## A slow box: two corpora");
@@ -93,18 +105,18 @@ SWEEP ?= eval.max_prompts=4
 full: install
 	mkdir -p $(OUT) && (test -f $(OUT)/started || date +%s > $(OUT)/started)
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
-	$(DUMP) $(RECIPE) $(FULL)
+	$(DUMP) $(RECIPE) $(FULL) $(call dump_budget,dump1,$(DUMP1_SHARE))
 	$(BIN)/eagle-train prep   $(RECIPE) $(MOREA)
-	$(DUMP) $(RECIPE) $(MOREA)
+	$(DUMP) $(RECIPE) $(MOREA) $(call dump_budget,dump2,$(DUMP2_SHARE))
 	test -f $(OUT)/extra || { t0=$$(cat $(OUT)/started); now=$$(date +%s); \
-	  m=$$(( $(or $(FULL_MINUTES),0) - $(TAIL_MINUTES) - (now - t0) * 4 / 3 / 60 )); \
+	  m=$$(( $(or $(FULL_MINUTES),0) - $(TAIL) - (now - t0) * 4 / 3 / 60 )); \
 	  if [ -n "$(FULL_MINUTES)" ] && [ $$m -lt $(THIRD_MINUTES) ]; then echo '$(EXTRA2)' > $(OUT)/extra; \
 	  echo "make full: a third corpus would leave phase A $$m min (THIRD_MINUTES=$(THIRD_MINUTES)): two corpora"; \
 	  else echo '$(EXTRA3)' > $(OUT)/extra; fi; }
 	if [ "$$(cat $(OUT)/extra)" = '$(EXTRA3)' ]; then \
 	  $(BIN)/eagle-train prep $(RECIPE) $(MOREB) && $(DUMP) $(RECIPE) $(MOREB); fi
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
-	  $(TAIL_MINUTES)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
+	  $(TAIL)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
 	$(REGEN) $(RECIPE) $(OWN)
 	$(BIN)/eagle-train prep   $(RECIPE) $(OWN) regen.enabled=true

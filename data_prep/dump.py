@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -79,7 +80,8 @@ def main(cfg, model=None) -> Dict[str, dict]:
         raise RecipeError(f"`dump.topk` = {cfg.dump.topk} exceeds the target's vocabulary ({header['vocab_size']} "
                           "tokens); set dump.topk below it")
     out = Path(cfg.dump.output)
-    stats = {"train": dump_split(model, train, out, {**header, "split": "train"}, cfg.dump, state)}
+    stats = {"train": dump_split(model, train, out, {**header, "split": "train"}, cfg.dump, state,
+                                 cfg.dump.budget_minutes)}
     if evals is not None:
         stats["eval"] = dump_split(model, evals, out / "eval", {**header, "split": "eval"}, cfg.dump, state)
     return stats
@@ -213,14 +215,26 @@ class ShardWriter:
         return rec
 
 
-def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
+def deadline_of(out: Path, minutes: Optional[float]) -> Optional[float]:
+    """The time.time() past which a budgeted dump stops: its first start (budget.json, written once) + minutes."""
+    if minutes is None:
+        return None
+    path = out / "budget.json"
+    if not path.is_file():
+        write_json(path, {"started": time.time()})
+    return json.loads(path.read_text())["started"] + 60 * minutes
+
+
+def dump_split(model, ds, out: Path, header: dict, dcfg, state, budget_minutes: Optional[float] = None) -> dict:
     rank, world = state.process_index, state.num_processes
     check_folder(out, header)  # every rank checks, so every rank fails with the same message
     state.wait_for_everyone()
     if rank == 0:
         (out / "progress").mkdir(parents=True, exist_ok=True)
         write_json(out / "manifest.json", {**header, "complete": False, "shards": []})
+        deadline_of(out, budget_minutes)
     state.wait_for_everyone()
+    deadline = deadline_of(out, budget_minutes)
     verify_and_clean(out, rank, world)
     state.wait_for_everyone()
 
@@ -228,7 +242,12 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
     done = {r for rec in recs.values() for r in rec["rows"]}
     rows, lengths = select_samples(ds)
     keep = np.array([r not in done for r in rows.tolist()], dtype=bool)
-    batches = plan_batches(rows[keep], lengths[keep], dcfg.batch_tokens)[rank::world]
+    batches = plan_batches(rows[keep], lengths[keep], dcfg.batch_tokens)
+    if deadline is not None:  # a cut must keep every length: the longest batches first (memory), then shuffled
+        rest = batches[world:]
+        random.Random(0).shuffle(rest)
+        batches = batches[:world] + rest
+    batches = batches[rank::world]
     ids = ds.data.column("id").to_pylist() if len(ds) else []
     mine = [int(r.split("-")[2].split(".")[0]) for r in recs if r.startswith(f"shard-r{rank:03d}-")]
     ids_dtype = torch.uint16 if header["vocab_size"] <= 65536 else torch.int32
@@ -241,8 +260,11 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
     n_tokens = sum(length_of[r] for b in batches for r in b)
     bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
                desc=f"dump {header['split']} [rank {rank}/{world}]", disable=not state.is_local_main_process)
-    t0 = time.perf_counter()
+    t0, dumped = time.perf_counter(), 0
     for batch in batches:
+        # past the budget: stop, once the dump holds something (a resume of a finished cut adds nothing)
+        if deadline is not None and time.time() > deadline and (done or dumped):
+            break
         got = ds[batch]
         seqs = [torch.tensor(x, dtype=torch.int64) for x in got["input_ids"]]
         lens = [len(s) for s in seqs]
@@ -263,12 +285,13 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state) -> dict:
             sample.update({k: v[a:b] for k, v in enc.items()})
             writer.add(row, ids[row], sample)
         bar.update(sum(lens))
+        dumped += len(batch)
     writer.close()
     bar.close()
     seconds = time.perf_counter() - t0
     state.wait_for_everyone()
     if rank == 0:
-        merge_manifest(out, header, rows)
+        merge_manifest(out, header, rows, cut=deadline is not None and time.time() > deadline)
     state.wait_for_everyone()
     mine_new = writer.written
     return {"num_samples": sum(r["num_samples"] for r in mine_new), "num_tokens": sum(r["num_tokens"] for r in mine_new),

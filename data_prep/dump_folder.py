@@ -177,18 +177,24 @@ def verify_and_clean(out: Path, rank: int, world: int) -> None:
                 p.unlink(missing_ok=True)
 
 
-def merge_manifest(out: Path, header: dict, rows: np.ndarray) -> dict:
-    """Rank 0, after every rank finished: all records -> manifest.json; checks nothing is lost or doubled."""
+def merge_manifest(out: Path, header: dict, rows: np.ndarray, cut: bool = False) -> dict:
+    """Rank 0, after every rank finished: all records -> manifest.json; checks nothing is lost or doubled (`cut`: the
+    dump stopped at dump.budget_minutes, so a subset of the rows is expected and `planned_samples` records all)."""
     recs = read_records(out)
     got = [r for rec in recs.values() for r in rec["rows"]]
-    if len(got) != len(set(got)) or set(got) != set(rows.tolist()):
+    expected = set(rows.tolist())
+    if len(got) != len(set(got)) or not set(got) <= expected or (set(got) != expected and not cut):
         raise RuntimeError(f"{out}: shards hold {len(set(got))} distinct of {len(rows)} expected samples "
                            f"({len(got) - len(set(got))} duplicated); rerun the dump to repair")
     shards = [recs[k] for k in sorted(recs)]
     manifest = {**header, "complete": True, "num_samples": len(got),
                 "num_tokens": sum(s["num_tokens"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
                 "shards": shards}
+    if len(got) < len(expected):
+        manifest["planned_samples"] = len(expected)
     write_json(out / "manifest.json", manifest)
     print(f"[dump] {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-          f"{len(shards)} shards, {manifest['bytes'] / max(manifest['num_tokens'], 1):.0f} bytes/token")
+          f"{len(shards)} shards, {manifest['bytes'] / max(manifest['num_tokens'], 1):.0f} bytes/token"
+          + (f"; dump.budget_minutes left {len(expected) - len(got)} of {len(expected)} samples out"
+             if len(got) < len(expected) else ""))
     return manifest

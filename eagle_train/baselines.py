@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 from transformers import GenerationConfig
 
-from eagle_train.decoding import _finish
+from eagle_train.decoding import _finish, linears_from, packed_linears
 
 
 def plain_generation_config(max_new_tokens: int, eos_token_id: Optional[int], temperature: float = 0.0,
@@ -46,10 +46,11 @@ def vanilla_generate(model, input_ids: torch.Tensor, max_new_tokens: int, temper
 @torch.no_grad()
 def prompt_lookup_generate(model, input_ids: torch.Tensor, max_new_tokens: int, num_tokens: int,
                            temperature: float = 0.0, top_p: float = 1.0, eos_token_id: Optional[int] = None,
-                           top_k: int = 0, seed: Optional[int] = None):
+                           top_k: int = 0, seed: Optional[int] = None, packed_verify: str = "off"):
     """transformers' prompt lookup decoding (n-gram drafts copied from the context, verified by the
     target), counting target forward passes. Returns (tokens, passes). Its first pass is the
-    prefill and already verifies a draft, so every pass counts: tau = tokens / passes."""
+    prefill and already verifies a draft, so every pass counts: tau = tokens / passes. Each of its
+    passes verifies a draft, so `packed_verify` (as the head's, `packed_linears`) covers all of them."""
     ids = input_ids.to(model.device)
     if seed is not None:
         torch.manual_seed(seed)
@@ -58,7 +59,8 @@ def prompt_lookup_generate(model, input_ids: torch.Tensor, max_new_tokens: int, 
     try:
         gcfg = plain_generation_config(max_new_tokens, eos_token_id, temperature, top_p, top_k,
                                        prompt_lookup_num_tokens=num_tokens)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
+        with linears_from(packed_linears(model, packed_verify)):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
     finally:
         hook.remove()
     return _finish(out[0, ids.shape[1]:].tolist(), max_new_tokens, eos_token_id)[0], calls[0]

@@ -172,7 +172,8 @@ def run_method(name, model, head, ids, scfg: SpecConfig, eos, seed: int) -> dict
                 "t_draft": st["t_draft"], "t_verify": st["t_verify"]}
     n = int(name.rsplit("_", 1)[1])
     (toks, passes), t = timed(prompt_lookup_generate, model, ids, scfg.max_new_tokens, n, scfg.temperature,
-                              scfg.top_p, eos_token_id=eos, top_k=scfg.top_k, seed=seed)
+                              scfg.top_p, eos_token_id=eos, top_k=scfg.top_k, seed=seed,
+                              packed_verify=scfg.packed_verify)
     return {"tokens": toks, "seconds": t, "passes": passes}
 
 

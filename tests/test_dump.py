@@ -230,6 +230,31 @@ def test_resume_after_kill_and_bad_checksum(tmp_path, tiny_dir, capfd):
         assert dump.sha256_file(out / s["file"]) == s["sha256"]
 
 
+def test_budget_cuts_the_dump_keeps_the_cut_and_a_rerun_without_it_completes(tmp_path, tiny_dir):
+    model, mdir = tiny_dir
+    samples = random_samples(30, seed=5, lo=20, hi=40)
+    write_corpus(tmp_path / "data", samples)
+    out = tmp_path / "dump"
+    args = ("dump.dtype=float32", "dump.batch_tokens=100", "dump.include_eval=false")
+    # a budget spent at once: the dump still holds its first (longest) batch, and says what it left out
+    dump.main(recipe(tmp_path, mdir, *args, "dump.budget_minutes=1e-6"), model)
+    man = json.loads((out / "manifest.json").read_text())
+    longest = max(len(s[1]) for s in samples)
+    assert man["complete"] and 0 < man["num_samples"] < 30 and man["planned_samples"] == 30
+    assert len(FeatureDataset(out)) == man["num_samples"]
+    assert max(len(FeatureDataset(out)[i]["input_ids"]) for i in range(man["num_samples"])) == longest
+    shards = sorted(p.name for p in out.glob("shard-*.safetensors"))
+    # a rerun (`make full` resumed) keeps the cut: its clock started with the first run (budget.json)
+    dump.main(recipe(tmp_path, mdir, *args, "dump.budget_minutes=1e-6"), model)
+    assert json.loads((out / "manifest.json").read_text())["num_samples"] == man["num_samples"]
+    assert sorted(p.name for p in out.glob("shard-*.safetensors")) == shards
+    # without the budget the same folder completes: every sample once, nothing left out
+    dump.main(recipe(tmp_path, mdir, *args), model)
+    full = json.loads((out / "manifest.json").read_text())
+    assert full["num_samples"] == 30 and "planned_samples" not in full
+    assert sorted(FeatureDataset(out).ids) == sorted(s[0] for s in samples)
+
+
 def test_refuses_other_settings_and_missing_corpus(tmp_path, tiny_dir):
     model, mdir = tiny_dir
     with pytest.raises(FileNotFoundError, match=r"data/train.*eagle-train prep <recipe>"):
