@@ -46,8 +46,8 @@ demo: install
 # the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
 # and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
 # the eval and the export (4-8 min): 116 min from a clean clone on a slow night (bench/RESULTS.md "## Phase A starts
-# with 1 TTT step"). Another box may take longer: an AMD EPYC 2-core box ran the dumps 1.2x and the
-# training steps 1.3-1.9x slower (~3 h projected; "## Tasks made of the corpus' text").
+# with 1 TTT step"). A slower box gets less, not longer: FULL_MINUTES below budgets the dumps, phase A and the tail
+# (a CPU without native bf16 dumps ~4x slower in fp32 and leaves phase B out).
 # The shipped head (heads/) is this recipe's head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
@@ -72,19 +72,26 @@ OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
       train.save_every=20
-HEADB ?= eval.head=$(OUT)/train-own/final
+HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; else echo $(OUT)/train/final; fi)
 # make full keeps to FULL_MINUTES (empty: no limit, every recipe step): when phase A first starts, it gets what is
 # left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it,
 # at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
 # steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run.
 # The stages after phase A took 26 min on the dev box and 34 on an AMD EPYC 2-core box (bench/RESULTS.md "## The
-# restart recipe on an AMD EPYC box"); on a CPU without native bf16, where the target runs in fp32, TAIL_NOBF16
-# (bench/RESULTS.md "## `make full` on a CPU without native bf16"). auto: by this CPU
+# restart recipe on an AMD EPYC box"). A CPU without native bf16 runs the target in fp32 (dtype auto; the dtype is
+# kept in $(OUT)/target_dtype), where regeneration, dumps and the eval run ~3-4x slower: there phase B (its
+# regeneration, dump and 80 steps: ~42 min against ~12) is left out (PHASE_B auto; at 96 tokens it did not pay,
+# bench/RESULTS.md "## Phase A over three corpora") and the tail takes TAIL_FP32 minutes (TAIL_FP32_B with phase B;
+# bench/RESULTS.md "## `make full` on a CPU without native bf16")
 FULL_MINUTES ?= 120
 TAIL_MINUTES ?= auto
-TAIL_NOBF16 ?= 60
-TAIL = $$(if [ "$(TAIL_MINUTES)" = auto ]; then $(BIN)/python -c 'from eagle_train.target import compute_dtype; \
-       print(35 if compute_dtype("auto") != "float32" else $(TAIL_NOBF16))'; else echo $(TAIL_MINUTES); fi)
+TAIL_FP32 ?= 45
+TAIL_FP32_B ?= 85
+PHASE_B ?= auto
+FP32 = [ "$$(cat $(OUT)/target_dtype)" = float32 ]
+PHASEB = $$(if [ "$(PHASE_B)" != auto ]; then echo $(PHASE_B); elif $(FP32); then echo no; else echo yes; fi)
+TAIL = $$(if [ "$(TAIL_MINUTES)" != auto ]; then echo $(TAIL_MINUTES); elif ! $(FP32); then echo 35; \
+       elif [ $(PHASEB) = yes ]; then echo $(TAIL_FP32_B); else echo $(TAIL_FP32); fi)
 # under the budget the first two corpora's dumps stop by DUMP1_SHARE / DUMP2_SHARE percent of the time before the
 # tail (dump.budget_minutes, kept in $(OUT)/dump1.minutes / dump2.minutes for a resume): never reached on a bf16 CPU
 # (14 + 7 min of 85), while a CPU dumping in fp32 (~4x slower) keeps half its time for phase A's steps
@@ -104,6 +111,8 @@ BUDGET = $(if $(FULL_MINUTES),train.budget_minutes=$$(cat $(OUT)/budget))
 SWEEP ?= eval.max_prompts=4
 full: install
 	mkdir -p $(OUT) && (test -f $(OUT)/started || date +%s > $(OUT)/started)
+	test -f $(OUT)/target_dtype || $(BIN)/python -c 'from eagle_train.target import compute_dtype; \
+	  print(compute_dtype("auto"))' > $(OUT)/target_dtype
 	$(BIN)/eagle-train prep   $(RECIPE) $(FULL)
 	$(DUMP) $(RECIPE) $(FULL) $(call dump_budget,dump1,$(DUMP1_SHARE))
 	$(BIN)/eagle-train prep   $(RECIPE) $(MOREA)
@@ -118,10 +127,10 @@ full: install
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
 	  $(TAIL)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
-	$(REGEN) $(RECIPE) $(OWN)
-	$(BIN)/eagle-train prep   $(RECIPE) $(OWN) regen.enabled=true
-	$(DUMP) $(RECIPE) $(OWN) regen.enabled=true
-	$(BIN)/eagle-train train  $(RECIPE) $(OWN) $(PB)
+	if [ $(PHASEB) = yes ]; then $(REGEN) $(RECIPE) $(OWN) && \
+	  $(BIN)/eagle-train prep $(RECIPE) $(OWN) regen.enabled=true && \
+	  $(DUMP) $(RECIPE) $(OWN) regen.enabled=true && \
+	  $(BIN)/eagle-train train $(RECIPE) $(OWN) $(PB); else echo "make full: phase B left out (PHASE_B=$(PHASE_B))"; fi
 	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(HEADB) $(SWEEP)
 	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(HEADB)
 	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(HEADB)

@@ -282,19 +282,23 @@ def verify(model, cache, tree: Tree, past_len: int, aux_layers, packs=None):
 
 
 def packed_linears(model, mode: str = "auto") -> dict:
-    """{nn.Linear of the target: its weight prepacked for oneDNN's fp32 GEMM}, made once per model (`_PACKED`); {}
-    where it does not apply (mode off; auto: not a float32 target on a CPU). Why: in fp32 MKL leaves its GEMV path
-    at two rows, so a tree pass of 4-8 tokens cost 2.1-2.4x a one-token pass on an AVX2 CPU; through prepacked
-    weights ~1.0x (bench/RESULTS.md "## A CPU without native bf16"). Costs a second copy of the linear weights;
-    logits within ~1e-4 of MKL's (a tree pass already rounds unlike a one-token pass)."""
-    on = mode == "on" or (mode == "auto" and model.device.type == "cpu" and model.dtype == torch.float32)
+    """{nn.Linear of `model` (the target or the head): its weight prepacked for oneDNN's fp32 GEMM}, made once per
+    model (`_PACKED`, remade if a weight changed in place); {} where it does not apply (mode off; auto: not float32
+    on a CPU). Why: in fp32 MKL leaves its GEMV path at two rows, so a tree pass of 4-8 tokens cost 2.1-2.4x a
+    one-token pass on an AVX2 CPU; through prepacked weights ~1.0x, and the head's drafting (1-8 rows a step) 41%
+    less time (bench/RESULTS.md "## A CPU without native bf16", "## Packed verification end to end"). Costs a
+    second copy of the linear weights; logits within ~1e-4 of MKL's (a tree pass already rounds unlike a one-token
+    pass)."""
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    on = p is not None and (mode == "on" or (mode == "auto" and p.device.type == "cpu" and p.dtype == torch.float32))
     if not on or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return {}
-    packs = _PACKED.get(model)
-    if packs is None:
-        packs = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
-                 for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        _PACKED[model] = packs
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    version = [m.weight._version for m in linears]
+    packs, made_at = _PACKED.get(model, (None, None))
+    if packs is None or made_at != version:
+        packs = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None) for m in linears}
+        _PACKED[model] = (packs, version)
     return packs
 
 
@@ -407,36 +411,39 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
         return tokens, stats
     C = ids.shape[1]
     t0 = _clock()
-    last_out, last_logp, hkv = head_update(head, None, 0, ids[0, 1:].tolist() + [root], feats)
-    while True:
-        tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
-        t1 = _clock()
-        logits, feats = verify(model, cache, tree, C, aux, packs)
-        if greedy:
-            path, bonus = accept_greedy(logits, tree)
-        else:
-            path, bonus = accept_sample(logits, tree, cfg.temperature, cfg.top_p, generator, accept_rule, cfg.top_k)
-        new = [tree.tokens[i] for i in path[1:]] + [bonus]
-        new, done = _finish(new, cfg.max_new_tokens - len(tokens), eos_token_id)
-        # tau counts what the user gets: tokens cut at EOS / the budget were not accepted
-        stats["passes"] += 1
-        stats["accept_lengths"].append(len(new) - 1)
-        stats["tree_sizes"].append(len(tree.tokens) - 1)
-        tokens += new
-        if done:
+    # the head's linears through packs too: a drafting step computes 1-8 rows (41% less drafting time in fp32)
+    with linears_from(packed_linears(head, cfg.packed_verify)):
+        last_out, last_logp, hkv = head_update(head, None, 0, ids[0, 1:].tolist() + [root], feats)
+        while True:
+            tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
+            t1 = _clock()
+            logits, feats = verify(model, cache, tree, C, aux, packs)
+            if greedy:
+                path, bonus = accept_greedy(logits, tree)
+            else:
+                path, bonus = accept_sample(logits, tree, cfg.temperature, cfg.top_p, generator, accept_rule,
+                                            cfg.top_k)
+            new = [tree.tokens[i] for i in path[1:]] + [bonus]
+            new, done = _finish(new, cfg.max_new_tokens - len(tokens), eos_token_id)
+            # tau counts what the user gets: tokens cut at EOS / the budget were not accepted
+            stats["passes"] += 1
+            stats["accept_lengths"].append(len(new) - 1)
+            stats["tree_sizes"].append(len(tree.tokens) - 1)
+            tokens += new
+            if done:
+                stats["t_draft"] += t1 - t0
+                stats["t_verify"] += _clock() - t1
+                return tokens, stats
+            keep = torch.tensor(path, device=dev)
+            commit_cache(cache, C, keep)
+            hkv = (hkv[0][:, :, :C], hkv[1][:, :, :C])
+            t2 = _clock()
             stats["t_draft"] += t1 - t0
-            stats["t_verify"] += _clock() - t1
-            return tokens, stats
-        keep = torch.tensor(path, device=dev)
-        commit_cache(cache, C, keep)
-        hkv = (hkv[0][:, :, :C], hkv[1][:, :, :C])
-        t2 = _clock()
-        stats["t_draft"] += t1 - t0
-        stats["t_verify"] += t2 - t1
-        t0 = t2
-        last_out, last_logp, hkv = head_update(head, hkv, C, new, feats[keep])
-        C += len(path)
-        root = bonus
+            stats["t_verify"] += t2 - t1
+            t0 = t2
+            last_out, last_logp, hkv = head_update(head, hkv, C, new, feats[keep])
+            C += len(path)
+            root = bonus
 
 
 def _clock() -> float:
