@@ -112,6 +112,25 @@ def test_tree_logits_equal_sequential_and_cache_after_accept(tiny_llama):
         torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-4)
 
 
+def test_packed_linears_follow_a_weight_changed_in_place():
+    """A head trained further after it was packed (its weights updated in place) must not draft from stale packs."""
+    from eagle_train.decoding import linears_from, packed_linears
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    x = torch.randn(3, 16)
+    packs = packed_linears(net)
+    assert packed_linears(net) is packs  # made once
+    with torch.no_grad():
+        net[2].weight.mul_(-2.0)  # an optimizer step does the same: an in-place update
+    fresh = packed_linears(net)
+    assert fresh is not packs
+    with torch.no_grad(), linears_from(fresh):
+        got = net(x)
+    torch.testing.assert_close(got, net(x).detach(), atol=1e-5, rtol=1e-5)
+    assert packed_linears(net.to(torch.bfloat16)) == {}  # auto: float32 only
+
+
 def test_head_tree_draft_equals_sequential_head(tiny_llama):
     """A depth-2 draft computed inside the tree (masked batch) equals the head run causally over
     that one path, so tree drafting changes no draft probability."""
