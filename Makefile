@@ -82,7 +82,7 @@ HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; 
 # kept in $(OUT)/target_dtype), where regeneration, dumps and the eval run ~3-4x slower: there phase B (its
 # regeneration, dump and 80 steps: ~42 min against ~12) is left out (PHASE_B auto; at 96 tokens it did not pay,
 # bench/RESULTS.md "## Phase A over three corpora") and the tail takes TAIL_FP32 minutes (TAIL_FP32_B with phase B;
-# bench/RESULTS.md "## `make full` on a CPU without native bf16")
+# bench/RESULTS.md "## Packed verification end to end")
 FULL_MINUTES ?= 120
 TAIL_MINUTES ?= auto
 TAIL_FP32 ?= 45

@@ -59,7 +59,7 @@ class SpecConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     max_new_tokens: int = 256
-    # verify through oneDNN's prepacked fp32 linears (`packed_linears`): auto = a float32 target on a CPU
+    # verify and draft through oneDNN's prepacked fp32 linears (`packed_linears`): auto = float32 on a CPU
     packed_verify: str = "auto"
 
     @classmethod

@@ -357,9 +357,10 @@ class EvalConfig:
     # pass and a one-token pass may round differently near ties: the report counts greedy mismatches and
     # their first position; float32 must have none. auto: bfloat16 where the CPU/GPU has it natively, else float32
     target_dtype: Optional[str] = spec(None, one_of=RUN_DTYPES)
-    # the tree pass computes the target's linear layers through oneDNN's prepacked fp32 weights (auto: a float32 target
-    # on a CPU): a pass over 4-8 tokens then costs ~1x a one-token pass instead of 2.1-2.4x (bench/RESULTS.md "## A CPU
-    # without native bf16"), for a second copy of the linear weights
+    # the tree pass computes the target's linear layers through oneDNN's prepacked fp32 weights (auto: float32 on a
+    # CPU): a pass over 4-8 tokens then costs ~1x a one-token pass instead of 2.1-2.4x (bench/RESULTS.md "## A CPU
+    # without native bf16"), for a second copy of the linear weights; the head's drafting (41% less time) and prompt
+    # lookup's passes (the eval's baseline: a fair comparison) too ("## Packed verification end to end")
     # (YAML reads a bare on / off as a boolean: taken as "on" / "off")
     packed_verify: str = spec("auto", one_of=("auto", "on", "off"), aliases={True: "on", False: "off"})
     # CPU threads for decoding (0: auto = the cores other work leaves idle at start (/proc/stat), at least 1; the many
