@@ -215,16 +215,6 @@ class ShardWriter:
         return rec
 
 
-def deadline_of(out: Path, minutes: Optional[float]) -> Optional[float]:
-    """The time.time() past which a budgeted dump stops: its first start (budget.json, written once) + minutes."""
-    if minutes is None:
-        return None
-    path = out / "budget.json"
-    if not path.is_file():
-        write_json(path, {"started": time.time()})
-    return json.loads(path.read_text())["started"] + 60 * minutes
-
-
 def dump_split(model, ds, out: Path, header: dict, dcfg, state, budget_minutes: Optional[float] = None) -> dict:
     rank, world = state.process_index, state.num_processes
     check_folder(out, header)  # every rank checks, so every rank fails with the same message
@@ -232,9 +222,12 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state, budget_minutes: 
     if rank == 0:
         (out / "progress").mkdir(parents=True, exist_ok=True)
         write_json(out / "manifest.json", {**header, "complete": False, "shards": []})
-        deadline_of(out, budget_minutes)
+        if budget_minutes is not None and not (out / "budget.json").is_file():  # the clock starts once
+            write_json(out / "budget.json", {"started": time.time()})
     state.wait_for_everyone()
-    deadline = deadline_of(out, budget_minutes)
+    # the time.time() past which a budgeted dump stops: its first start + the budget
+    deadline = (None if budget_minutes is None
+                else json.loads((out / "budget.json").read_text())["started"] + 60 * budget_minutes)
     verify_and_clean(out, rank, world)
     state.wait_for_everyone()
 
