@@ -261,60 +261,62 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
     rows = [b for b in range(B) if alive[b]]  # original row of each batch row
     if not rows:
         return tokens, stats
-    t0 = _clock()
-    last_out, last_logp, hkv = heads_append(
-        head, None, torch.zeros_like(lens),
-        [prompts[b][1:].tolist() + [roots[b]] for b in range(B)], [feats[b, :len(prompts[b])] for b in range(B)])
-    sel = torch.tensor(rows, device=dev)
-    if len(rows) < B:
-        index = compact_index(lens[sel], [[] for _ in rows])
-        compact_cache(cache, sel, lens[sel], [[] for _ in rows])
-        hkv = (compact(hkv[0], sel, index), compact(hkv[1], sel, index))
-        last_out, last_logp = last_out[sel], last_logp[sel]
-    lens, roots = lens[sel], [roots[b] for b in rows]
+    # the head's linears through packs as in speculative_generate: each drafting pass computes B x 1-8 rows
+    with linears_from(packed_linears(head, cfg.packed_verify)):
+        t0 = _clock()
+        last_out, last_logp, hkv = heads_append(
+            head, None, torch.zeros_like(lens),
+            [prompts[b][1:].tolist() + [roots[b]] for b in range(B)], [feats[b, :len(prompts[b])] for b in range(B)])
+        sel = torch.tensor(rows, device=dev)
+        if len(rows) < B:
+            index = compact_index(lens[sel], [[] for _ in rows])
+            compact_cache(cache, sel, lens[sel], [[] for _ in rows])
+            hkv = (compact(hkv[0], sel, index), compact(hkv[1], sel, index))
+            last_out, last_logp = last_out[sel], last_logp[sel]
+        lens, roots = lens[sel], [roots[b] for b in rows]
 
-    while rows:
-        trees = draft_trees(head, hkv, lens, roots, last_out, last_logp, cfg)
-        t1 = _clock()
-        P = cache.get_seq_length()
-        logits, feats = verify_trees(model, cache, trees, lens, aux, packs)
-        stats["steps"] += 1
-        stats["active"].append(len(rows))
-        keep, src, news, paths = [], [], [], []
-        for j, b in enumerate(rows):
-            tree, n = trees[j], len(trees[j].tokens)
-            if greedy:
-                path, bonus = accept_greedy(logits[j, :n], tree)
-            else:
-                path, bonus = accept_sample(logits[j, :n], tree, cfg.temperature, cfg.top_p, gens[b], accept_rule,
-                                            cfg.top_k)
-            new = [tree.tokens[i] for i in path[1:]] + [bonus]
-            new, done = _finish(new, cfg.max_new_tokens - len(tokens[b]), eos_token_id)
-            st = stats["rows"][b]
-            st["passes"] += 1
-            st["accept_lengths"].append(len(new) - 1)
-            st["tree_sizes"].append(n - 1)
-            tokens[b] += new
-            if not done:  # a finished row leaves the batch: it is not compacted, updated or drafted again
-                keep.append(j), news.append(new), paths.append(path)
-                src.append([P + i for i in path])
-        if keep:
-            sel = torch.tensor(keep, device=dev)
-            compact_cache(cache, sel, lens[sel], src)
-            hkv = (hkv[0].index_select(0, sel)[:, :, :P], hkv[1].index_select(0, sel)[:, :, :P])  # drop drafts
-        t2 = _clock()
-        stats["t_draft"] += t1 - t0
-        stats["t_verify"] += t2 - t1
-        t0 = t2
-        if not keep:
-            break
-        lens = lens[sel]
-        pf = [feats[j, torch.tensor(path, device=dev)] for j, path in zip(keep, paths)]
-        last_out, last_logp, hkv = heads_append(head, hkv, lens, news, pf)
-        index = compact_index(lens, [[P + i for i in range(len(new))] for new in news])
-        everyone = torch.arange(len(keep), device=dev)
-        hkv = (compact(hkv[0], everyone, index), compact(hkv[1], everyone, index))
-        lens = lens + torch.tensor([len(p) for p in paths], device=dev)
-        rows = [rows[j] for j in keep]
-        roots = [new[-1] for new in news]
+        while rows:
+            trees = draft_trees(head, hkv, lens, roots, last_out, last_logp, cfg)
+            t1 = _clock()
+            P = cache.get_seq_length()
+            logits, feats = verify_trees(model, cache, trees, lens, aux, packs)
+            stats["steps"] += 1
+            stats["active"].append(len(rows))
+            keep, src, news, paths = [], [], [], []
+            for j, b in enumerate(rows):
+                tree, n = trees[j], len(trees[j].tokens)
+                if greedy:
+                    path, bonus = accept_greedy(logits[j, :n], tree)
+                else:
+                    path, bonus = accept_sample(logits[j, :n], tree, cfg.temperature, cfg.top_p, gens[b], accept_rule,
+                                                cfg.top_k)
+                new = [tree.tokens[i] for i in path[1:]] + [bonus]
+                new, done = _finish(new, cfg.max_new_tokens - len(tokens[b]), eos_token_id)
+                st = stats["rows"][b]
+                st["passes"] += 1
+                st["accept_lengths"].append(len(new) - 1)
+                st["tree_sizes"].append(n - 1)
+                tokens[b] += new
+                if not done:  # a finished row leaves the batch: it is not compacted, updated or drafted again
+                    keep.append(j), news.append(new), paths.append(path)
+                    src.append([P + i for i in path])
+            if keep:
+                sel = torch.tensor(keep, device=dev)
+                compact_cache(cache, sel, lens[sel], src)
+                hkv = (hkv[0].index_select(0, sel)[:, :, :P], hkv[1].index_select(0, sel)[:, :, :P])  # drop drafts
+            t2 = _clock()
+            stats["t_draft"] += t1 - t0
+            stats["t_verify"] += t2 - t1
+            t0 = t2
+            if not keep:
+                break
+            lens = lens[sel]
+            pf = [feats[j, torch.tensor(path, device=dev)] for j, path in zip(keep, paths)]
+            last_out, last_logp, hkv = heads_append(head, hkv, lens, news, pf)
+            index = compact_index(lens, [[P + i for i in range(len(new))] for new in news])
+            everyone = torch.arange(len(keep), device=dev)
+            hkv = (compact(hkv[0], everyone, index), compact(hkv[1], everyone, index))
+            lens = lens + torch.tensor([len(p) for p in paths], device=dev)
+            rows = [rows[j] for j in keep]
+            roots = [new[-1] for new in news]
     return tokens, stats

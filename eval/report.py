@@ -60,7 +60,8 @@ def report_markdown(rep: dict) -> str:
              "budget not counted; the head's prefill pass drafts nothing and is left out, prompt lookup's prefill "
              "already verifies a draft and is counted). speedup = the method's tokens/s over the baseline's "
              "(`generate`, plain argmax at "
-             "T=0), measured on the same prompts in the same run. [a, b] = 95% bootstrap interval over prompts.", "",
+             "T=0), measured on the same prompts in the same run, every method through the same linear layers "
+             "(`eval.packed_verify`). [a, b] = 95% bootstrap interval over prompts.", "",
              "| benchmark | T | prompts | method | tau | speedup | tok/s | greedy mismatches |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rep["results"]:

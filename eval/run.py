@@ -12,7 +12,8 @@ the method's own earlier answers.
 
 Per prompt the methods run back to back in a rotating order (so drift of a shared machine hits
 them alike): the baseline (`generate`, plain argmax at T=0, one loop at every temperature), the
-head, and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`. Writes report.json /
+head, and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`, all three through the
+same linear layers (`eval.packed_verify`: the packs speed up plain decoding too). Writes report.json /
 report.md / PNGs under eval.output after every benchmark and temperature; the summaries are in
 eagle_train.eval.summary, the tree-setting sweep (sweep.json / sweep.md) in eagle_train.eval.sweep.
 """
@@ -163,7 +164,7 @@ def run_method(name, model, head, ids, scfg: SpecConfig, eos, seed: int) -> dict
     """Tokens and seconds of one method on one rendered turn, plus its passes / accepted lengths."""
     if name == "baseline":
         toks, t = timed(vanilla_generate, model, ids, scfg.max_new_tokens, scfg.temperature, scfg.top_p,
-                        eos_token_id=eos, top_k=scfg.top_k, seed=seed)
+                        eos_token_id=eos, top_k=scfg.top_k, seed=seed, packed_verify=scfg.packed_verify)
         return {"tokens": toks, "seconds": t}
     if name == "head":
         gen = torch.Generator(device=model.device).manual_seed(seed)

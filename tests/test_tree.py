@@ -131,6 +131,28 @@ def test_packed_linears_follow_a_weight_changed_in_place():
     assert packed_linears(net.to(torch.bfloat16)) == {}  # auto: float32 only
 
 
+def test_baselines_run_through_the_packs_they_are_given(tiny_llama, monkeypatch):
+    """The eval's baselines (generate, batched generate, prompt lookup) go through the same packed linears as the
+    head when asked, so a speedup does not credit the head with the packs' gain; the tokens stay generate's."""
+    from eagle_train import decoding
+    from eagle_train.baselines import prompt_lookup_generate, vanilla_generate
+    from eagle_train.eval.deploy import generate_batch
+
+    calls = [0]
+    real = decoding._packed_linear
+    monkeypatch.setattr(decoding, "_packed_linear", lambda m, w, x: (calls.__setitem__(0, calls[0] + 1),
+                                                                     real(m, w, x))[1])
+    prompts = [torch.tensor([1, 17, 33, 5, 99, 17, 33]), torch.tensor([4, 8, 15, 16])]
+    got = {}
+    for mode in ("off", "on"):
+        calls[0] = 0
+        got[mode] = (vanilla_generate(tiny_llama, prompts[0][None], 8, packed_verify=mode),
+                     generate_batch(tiny_llama, prompts, 8, None, packed_verify=mode),
+                     prompt_lookup_generate(tiny_llama, prompts[0][None], 8, 3, packed_verify=mode)[0])
+        assert (calls[0] > 0) == (mode == "on"), (mode, calls[0])
+    assert got["on"] == got["off"]
+
+
 def test_head_tree_draft_equals_sequential_head(tiny_llama):
     """A depth-2 draft computed inside the tree (masked batch) equals the head run causally over
     that one path, so tree drafting changes no draft probability."""
