@@ -140,8 +140,12 @@ def test_baselines_run_through_the_packs_they_are_given(tiny_llama, monkeypatch)
 
     calls = [0]
     real = decoding._packed_linear
-    monkeypatch.setattr(decoding, "_packed_linear", lambda m, w, x: (calls.__setitem__(0, calls[0] + 1),
-                                                                     real(m, w, x))[1])
+
+    def counted(m, w, x):
+        calls[0] += 1
+        return real(m, w, x)
+
+    monkeypatch.setattr(decoding, "_packed_linear", counted)
     prompts = [torch.tensor([1, 17, 33, 5, 99, 17, 33]), torch.tensor([4, 8, 15, 16])]
     got = {}
     for mode in ("off", "on"):
