@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
 from eagle_train.decoding import (SpecConfig, Tree, _clock, _finish, check_supported, head_aux_layers, head_dtype,
-                                  linears_from, packed_linears,
+                                  linears_from, masked_gqa, packed_linears,
                                   rerank, speculative_generate, static_paths, to_target_ids)
 from eagle_train.kv_cache import compact, compact_cache, compact_index
 
@@ -191,7 +191,7 @@ def verify_trees(model, cache, trees: List[Tree], lens: torch.Tensor, aux_layers
     ids = torch.zeros(len(trees), pos.shape[1], dtype=torch.long, device=dev)
     for b, t in enumerate(trees):
         ids[b, :len(t.tokens)] = torch.tensor(t.tokens, device=dev)
-    with linears_from(packs or {}):
+    with linears_from(packs or {}), masked_gqa(dev):
         return target_pass(model, ids, cache, aux_layers, pos, mask)
 
 

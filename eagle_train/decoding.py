@@ -34,6 +34,7 @@ optional `d2t` buffer mapping draft ids to target ids (draft_id + d2t[draft_id])
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -277,8 +278,27 @@ def verify(model, cache, tree: Tree, past_len: int, aux_layers, packs=None):
     dev = model.device
     mask, pos = tree_mask(tree.parents, tree.depths, past_len, model.dtype, dev)
     ids = torch.tensor([tree.tokens], device=dev)
-    with linears_from(packs or {}):
+    with linears_from(packs or {}), masked_gqa(dev):
         return target_forward(model, ids, cache, aux_layers, pos, mask)
+
+
+@contextlib.contextmanager
+def masked_gqa(device):
+    """Inside, on a CPU: grouped-query attention under a mask (a tree pass) runs as SDPA's `enable_gqa` instead of
+    transformers' default there, `repeat_kv`, which copies every layer's cached keys and values n_heads/n_kv_heads
+    times a pass (CPU flash attention takes the mask with enable_gqa, the same output bit for bit). One-token steps
+    (`generate`) never copy. Elsewhere (CUDA) enable_gqa under a mask falls back to the math kernel, so left as is.
+    Why: a 9-token SmolLM2 pass 74.7 -> 70.2 ms on an AVX2 CPU (bench/RESULTS.md "## Tree verification without
+    repeat_kv")."""
+    key = "TRANSFORMERS_SDPA_FORCE_GQA"
+    if torch.device(device).type != "cpu" or os.environ.get(key) is not None:
+        yield
+        return
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[key]
 
 
 def packed_linears(model, mode: str = "auto") -> dict:

@@ -112,6 +112,33 @@ def test_tree_logits_equal_sequential_and_cache_after_accept(tiny_llama):
         torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-4)
 
 
+def test_tree_pass_on_a_cpu_skips_repeat_kv_with_the_same_logits(tiny_llama, monkeypatch):
+    """A tree pass (a masked, grouped-query forward) runs SDPA's enable_gqa on a CPU instead of transformers'
+    repeat_kv copies of the cached keys and values: the same logits and features bit for bit, the switch off again
+    after the pass."""
+    import os
+
+    from transformers.integrations import sdpa_attention
+
+    copies = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real(x, n))
+    prefix = torch.tensor([[1, 17, 33, 5, 99]])
+    tree = Tree([40, 41, 42, 43, 44, 45, 46], PARENTS, DEPTHS, [None] * 7)
+    got = {}
+    for how in ("repeat_kv", "enable_gqa"):
+        if how == "repeat_kv":  # transformers' own switch, which verify leaves alone when set
+            monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+        else:
+            monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA")
+        copies.clear()
+        got[how] = verify(tiny_llama, _prefix_cache(tiny_llama, prefix), tree, prefix.shape[1], [1, 3, 5])
+        assert len(copies) == (2 * tiny_llama.config.num_hidden_layers if how == "repeat_kv" else 0)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    assert torch.equal(got["repeat_kv"][0], got["enable_gqa"][0])
+    assert torch.equal(got["repeat_kv"][1], got["enable_gqa"][1])
+
+
 def test_packed_linears_follow_a_weight_changed_in_place():
     """A head trained further after it was packed (its weights updated in place) must not draft from stale packs."""
     from eagle_train.decoding import linears_from, packed_linears
