@@ -51,16 +51,25 @@ def lr_lambda(tc, plan=None):
 BUDGET_PROBE = 20
 
 
-def fit_budget(plan, step, left_s, step_s, deep_s, extra_s):
+def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):
     """Lower plan.shallow_steps / plan.max_steps so the steps after `step` fit in `left_s` seconds: `step_s` is a
     shallow step's time, `deep_s` a deep one's, `extra_s` the evaluations and checkpoints per step. Both phases
-    shrink by one factor, so the run keeps its proportions; counts never grow, a deep phase keeps a step.
-    Returns the factor (1.0: the plan fits)."""
+    shrink by one factor, so the run keeps its proportions; a deep phase keeps a step. Counts grow only in the deep
+    phase, which has measured its own step, and only up to `deep_cap` deep steps (the recipe's): a shallow phase's
+    projection of the deep step that came out too long leaves time that more deep steps use (95% of it).
+    Returns the factor on the steps left (1.0: the plan fits as it is)."""
     s_end = min(plan.shallow_steps, plan.max_steps)
     shallow_left, deep_left = max(0, s_end - step), plan.max_steps - max(step, s_end)
     need = shallow_left * (step_s + extra_s) + deep_left * (deep_s + extra_s)
     if need <= left_s:
-        return 1.0
+        if deep_cap is None or shallow_left or deep_left <= 0:
+            return 1.0
+        room = deep_cap - (plan.max_steps - s_end)  # deep steps the recipe has that the plan left out
+        more = min(room, int(0.95 * (left_s - need) / (deep_s + extra_s)))
+        if more <= 0:
+            return 1.0
+        plan.max_steps += more
+        return (deep_left + more) / deep_left
     f = max(0.0, left_s) / need
     if deep_left == 0:  # shallow to the end: only the end moves
         plan.max_steps = step + max(1, int(shallow_left * f))

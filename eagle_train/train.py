@@ -302,7 +302,8 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
     recipe = (plan.shallow_steps, plan.max_steps)
     # the last step's evaluation and checkpoint come whatever the count: set apart, the rest spread over the steps
     per_step = eval_s / tc.eval_every + save_s / tc.save_every
-    f = fit_budget(plan, step, left_s - eval_s - save_s, step_s, deep_s, per_step)
+    f = fit_budget(plan, step, left_s - eval_s - save_s, step_s, deep_s, per_step,
+                   deep_cap=max(0, tc.max_steps - tc.shallow_steps) if phase == "deep" else None)
     plan.fitted = plan.fitted + [phase]
     # the deep phase measures its own step; the shallow phase projects the deep one from its own
     steps = f"shallow steps {step_s:.2f} s, deep {deep_s:.2f} s (projected)" if phase == "shallow" \
@@ -312,6 +313,9 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
     if f < 1:
         accelerator.print(f"[train] budget at step {step}: {said}: steps lowered x{f:.2f}, shallow_steps "
                           f"{recipe[0]} -> {plan.shallow_steps}, max_steps {recipe[1]} -> {plan.max_steps}")
+    elif f > 1:
+        accelerator.print(f"[train] budget at step {step}: {said}: time for more deep steps, max_steps "
+                          f"{recipe[1]} -> {plan.max_steps}")
     else:
         accelerator.print(f"[train] budget at step {step}: {said}: the {recipe[1] - step} steps left fit")
 

@@ -606,7 +606,8 @@ def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
 
 def test_fit_budget_shrinks_both_phases_by_one_factor():
     """engine.fit_budget: steps that fit are left alone; otherwise the shallow and deep steps left shrink by the
-    same factor (never below one deep step, never growing), and a run shallow to the end moves only its end."""
+    same factor (never below one deep step), a run shallow to the end moves only its end, and only the deep phase's
+    own fit grows its steps into time left over, up to the recipe's deep steps."""
     from types import SimpleNamespace
 
     from eagle_train.engine import fit_budget
@@ -626,6 +627,16 @@ def test_fit_budget_shrinks_both_phases_by_one_factor():
     p = plan(shallow=3000)  # shallow to the end
     fit_budget(p, 100, 1400, 1.0, 3.0, 0.0)
     assert (p.shallow_steps, p.max_steps) == (3000, 100 + 1400)
+    # the deep phase's own step time leaves time over: more deep steps (95% of the spare time), up to the recipe's
+    p = plan(shallow=830, end=1215)  # lowered by the shallow phase; 852: the deep phase's fit
+    f = fit_budget(p, 852, 1400, 1.0, 2.0, 0.0, deep_cap=1800)  # 363 steps x 2 s = 726 s of 1,400
+    assert (p.shallow_steps, p.max_steps) == (830, 1215 + 320) and f == pytest.approx((363 + 320) / 363)
+    p = plan(shallow=830, end=1215)
+    assert fit_budget(p, 852, 10**6, 1.0, 2.0, 0.0, deep_cap=500) > 1 and p.max_steps == 830 + 500  # the cap
+    p = plan(shallow=830, end=1215)  # no cap given (the shallow phase's fit): never grows
+    assert fit_budget(p, 100, 10**6, 1.0, 2.0, 0.0) == 1.0 and (p.shallow_steps, p.max_steps) == (830, 1215)
+    p = plan(shallow=830, end=1215)  # the plan is the recipe's already: nothing to add
+    assert fit_budget(p, 852, 10**6, 1.0, 2.0, 0.0, deep_cap=385) == 1.0 and p.max_steps == 1215
 
 
 def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path, capsys):
