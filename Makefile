@@ -82,8 +82,8 @@ HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; 
 # kept in $(OUT)/target_dtype), where regeneration, dumps and the eval run ~3-4x slower: there phase B (its
 # regeneration, dump and 80 steps: ~42 min against ~12) is left out (PHASE_B auto; at 96 tokens it did not pay,
 # bench/RESULTS.md "## Phase A over three corpora") and the tail takes TAIL_FP32 minutes (TAIL_FP32_B with phase B):
-# measured 23.5 min there with packed verification, the whole make full 95 min under TAIL_FP32=45 (bench/RESULTS.md
-# "## make full on a CPU without native bf16")
+# measured 23.5 min there with packed verification, the whole make full 95 min under TAIL_FP32=45 and 101 min under
+# 35, tail 23 min (bench/RESULTS.md "## make full on a CPU without native bf16", "## make full with TAIL_FP32=35")
 FULL_MINUTES ?= 120
 TAIL_MINUTES ?= auto
 TAIL_FP32 ?= 35
