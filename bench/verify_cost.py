@@ -1,7 +1,7 @@
 """What verifying a tree costs the target on this machine: one pass over n tokens vs a one-token pass.
 
     python bench/verify_cost.py [--model smollm2-135m-instruct] [--context 200] [--threads 1 2]
-                                [--dtypes float32 bfloat16] [--packed] [--record]
+                                [--dtypes float32 bfloat16] [--packed] [--repeat-kv] [--record]
 
 After a `--context`-token prefill, times (median of 11) a cached pass over n = 1, 2, 4, 8, 12, 16
 tokens, the shape of a verification pass over a tree of n - 1 drafted nodes. The ratio
@@ -9,7 +9,9 @@ pass(n) / pass(1) is the price of a tree of that size: speculative decoding gain
 tau / (ratio + draft cost) > 1, so this table is what `eagle-train sweep` trades against tau.
 Also splits out the target's lm_head (a vocab x hidden matmul) at the same n, the part whose
 cost grows most with n on a CPU. `--packed` adds float32 through oneDNN's prepacked linears (the decoder's
-`eval.packed_verify`, on by default for a float32 target on a CPU). Each dtype is the whole target in that precision (eval.target_dtype):
+`eval.packed_verify`, on by default for a float32 target on a CPU). `--repeat-kv` adds each of those rows
+as the pass ran before `decoding.masked_gqa`: transformers' `repeat_kv` copies of the cached keys and values under the
+tree mask instead of SDPA's `enable_gqa` (same logits; the decoder's default on a CPU is enable_gqa). Each dtype is the whole target in that precision (eval.target_dtype):
 on a CPU with native bf16 a bf16 pass over a small tree costs about what a one-token pass costs. `--record` adds the table to bench/RESULTS.md under
 `## Verification cost`.
 """
@@ -50,6 +52,8 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--packed", action="store_true", help="also float32 through oneDNN's prepacked linears "
                     "(eval.packed_verify)")
+    ap.add_argument("--repeat-kv", action="store_true", help="also each pass through transformers' repeat_kv "
+                    "(TRANSFORMERS_SDPA_FORCE_GQA=0), the tree pass before decoding.masked_gqa")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     from omegaconf import OmegaConf
@@ -61,9 +65,16 @@ def main():
     for dtype in args.dtypes:
         model, _ = load_target(OmegaConf.structured(TargetConfig(model=args.model, device="cpu", dtype=dtype)),
                                with_tokenizer=False)
-        rows += measure(model, dtype, args)
-        if args.packed and dtype == "float32":
-            rows += measure(model, "float32 packed", args)
+        variants = [(dtype, False)] + ([("float32 packed", True)] if args.packed and dtype == "float32" else [])
+        for label, packed in variants:
+            rows += measure(model, label, packed, args)
+            if args.repeat_kv:
+                # masked_gqa leaves a set TRANSFORMERS_SDPA_FORCE_GQA alone: "0" is transformers' own default path
+                os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
+                try:
+                    rows += measure(model, label + " repeat_kv", packed, args)
+                finally:
+                    del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
     table = [f"`python bench/verify_cost.py` ({time.strftime('%Y-%m-%d')}): {args.model}, "
              f"{args.context}-token cached prefix, median of 11; torch {torch.__version__}, {platform.machine()}, "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}.", "",
@@ -75,7 +86,7 @@ def main():
     return 0
 
 
-def measure(model, dtype, args):
+def measure(model, dtype, packed, args):
     from transformers import DynamicCache
 
     from eagle_train.decoding import Tree, packed_linears, verify
@@ -86,7 +97,7 @@ def measure(model, dtype, args):
     prefix = torch.randint(0, vocab, (1, args.context), generator=g)
     head_w = model.get_output_embeddings().weight
     keep_none = torch.zeros(0, dtype=torch.long)
-    packs = packed_linears(model, "on" if dtype.endswith("packed") else "off")
+    packs = packed_linears(model, "on" if packed else "off")
     rows = []
     with torch.no_grad():
         for threads in args.threads:
