@@ -159,7 +159,7 @@ polish: install
 # conversations (ShareGPT 4,621-8,220 in two dumps: 1.87M tokens, ~2 epochs; 33 of the first held out), 42 min +
 # two 21-min dumps on a bf16 CPU (an AVX2 one dumps in fp32, ~4x slower). Held-out acc_0 0.586 -> 0.614, chain τ
 # 2.011 -> 2.102 (bench/RESULTS.md "## A second polish"). The shipped head: `make full polish polish2
-# POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
+# POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`. It dumps the second corpus, then runs polish on the first.
 POLISH2_FROM ?= outputs/polish/train/final
 POLISH2 ?= output_dir=outputs/polish2 data.skip_conversations=4620 data.max_conversations=1800 data.eval_fraction=0.02
 POLISH2B ?= output_dir=outputs/polish2b data.skip_conversations=6420 data.max_conversations=1800 data.eval_fraction=0
@@ -167,14 +167,9 @@ POLISH2_TRAIN ?= head.init=$(POLISH2_FROM) train.micro_batch_size=4 train.ttt_st
         train.warmup_steps=20 train.max_steps=1600 train.eval_every=100 train.save_every=100 \
         'train.extra_dumps=[outputs/polish2b/dump]'
 polish2: install
-	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH2)
-	$(DUMP) $(RECIPE) $(POLISH2)
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH2B)
 	$(DUMP) $(RECIPE) $(POLISH2B)
-	$(BIN)/eagle-train train  $(RECIPE) $(POLISH2) $(POLISH2_TRAIN)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(POLISH2) $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH2)
-	$(BIN)/eagle-train export $(RECIPE) $(POLISH2)
+	$(MAKE) polish POLISH="$(POLISH2)" POLISH_TRAIN="$(POLISH2_TRAIN)"
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
