@@ -24,8 +24,8 @@ import os
 import platform
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -47,20 +47,6 @@ def median_ms(*fns, reps=11):
             ts.append(time.perf_counter() - t0)
     medians = [sorted(ts)[reps // 2] * 1e3 for ts in times]
     return medians if len(fns) > 1 else medians[0]
-
-
-@contextmanager
-def repeat_kv(on: bool):
-    """transformers' own path under a mask (copies of the cached keys/values per query head): decoding.masked_gqa
-    leaves a TRANSFORMERS_SDPA_FORCE_GQA that is already set alone, and "0" is transformers' default."""
-    if not on:
-        yield
-        return
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "0"
-    try:
-        yield
-    finally:
-        del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
 
 
 def main():
@@ -122,13 +108,16 @@ def measure(model, dtype, packed, args):
                 # the decoder's own verification pass over a chain of n tokens (tree mask, tree positions,
                 # hidden states, fp32 logits)
                 tree = Tree(torch.randint(0, vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), list(range(n)))
-                with repeat_kv(copies):
+                # transformers' own path under a mask: decoding.masked_gqa leaves a set TRANSFORMERS_SDPA_FORCE_GQA
+                # alone, and "0" is transformers' default (repeat_kv); patch.dict restores the caller's environment
+                with mock.patch.dict(os.environ, {"TRANSFORMERS_SDPA_FORCE_GQA": "0"} if copies else {}):
                     verify(model, cache, tree, args.context, None, packs)
                 commit_cache(cache, args.context, keep_none)  # back to the prefix: same cache length each pass
 
             for n in SIZES:
                 one_pass(n)  # warm-up for this shape
-                one_pass(n, args.repeat_kv)
+                if args.repeat_kv:
+                    one_pass(n, True)
             if args.repeat_kv:  # both paths pass by pass, then one row set each
                 both = {n: median_ms(lambda: one_pass(n), lambda: one_pass(n, True), reps=args.reps) for n in SIZES}
                 passes, copied = {n: b[0] for n, b in both.items()}, {n: b[1] for n, b in both.items()}
