@@ -17,7 +17,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo full polish polish2 test clean
+.PHONY: install demo full polish polish2 polish3 test clean
 
 install: $(VENV)/.installed
 
@@ -161,15 +161,22 @@ polish: install
 # 2.011 -> 2.102 (bench/RESULTS.md "## A second polish"). The shipped head: `make full polish polish2
 # POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`. It dumps the second corpus, then runs polish on the first.
 POLISH2_FROM ?= outputs/polish/train/final
-POLISH2 ?= output_dir=outputs/polish2 data.skip_conversations=4620 data.max_conversations=1800 data.eval_fraction=0.02
-POLISH2B ?= output_dir=outputs/polish2b data.skip_conversations=6420 data.max_conversations=1800 data.eval_fraction=0
+POLISH2_OUT ?= outputs/polish2
+POLISH2_SKIP ?= 4620
+POLISH2 ?= output_dir=$(POLISH2_OUT) data.skip_conversations=$(POLISH2_SKIP) data.max_conversations=1800 data.eval_fraction=0.02
+POLISH2B ?= output_dir=$(POLISH2_OUT)b data.skip_conversations=$(shell expr $(POLISH2_SKIP) + 1800) \
+        data.max_conversations=1800 data.eval_fraction=0
 POLISH2_TRAIN ?= head.init=$(POLISH2_FROM) train.micro_batch_size=4 train.ttt_steps=3 train.learning_rate=3e-4 \
         train.warmup_steps=20 train.max_steps=1600 train.eval_every=100 train.save_every=100 \
-        'train.extra_dumps=[outputs/polish2b/dump]'
+        'train.extra_dumps=[$(POLISH2_OUT)b/dump]'
 polish2: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH2B)
 	$(DUMP) $(RECIPE) $(POLISH2B)
 	$(MAKE) polish POLISH="$(POLISH2)" POLISH_TRAIN="$(POLISH2_TRAIN)"
+
+# polish3: the third polish, polish2's settings from polish2's head over the next 3,600 conversations (8,221-11,820).
+polish3:
+	$(MAKE) polish2 POLISH2_FROM=$(POLISH2_OUT)/train/final POLISH2_OUT=outputs/polish3 POLISH2_SKIP=8220
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
