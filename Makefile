@@ -169,6 +169,7 @@ POLISH2_TRAIN ?= head.init=$(POLISH2_FROM) train.micro_batch_size=4 train.ttt_st
         train.warmup_steps=20 train.max_steps=1600 train.eval_every=100 train.save_every=100 \
         'train.extra_dumps=[$(POLISH2_OUT)b/dump]'
 polish2: install
+	@test -e $(POLISH2_FROM) || { echo "POLISH2_FROM=$(POLISH2_FROM): no such head (run the polish before this one, or name a head folder)"; exit 2; }
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH2B)
 	$(DUMP) $(RECIPE) $(POLISH2B)
 	$(MAKE) polish POLISH="$(POLISH2)" POLISH_TRAIN="$(POLISH2_TRAIN)"
