@@ -178,7 +178,7 @@ polish2: install
 # 101 min end to end on a bf16 CPU. Held-out acc_0 0.576 -> 0.591, six-set τ 2.186 -> 2.234, chain of 4 1.856 -> 1.911
 # (bench/RESULTS.md "## A third polish").
 polish3:
-	$(MAKE) polish2 POLISH2_FROM=$(POLISH2_OUT)/train/final POLISH2_OUT=outputs/polish3 POLISH2_SKIP=8220
+	$(MAKE) polish2 POLISH2_FROM=outputs/polish2/train/final POLISH2_OUT=outputs/polish3 POLISH2_SKIP=8220
 
 # polish4: the fourth polish, the same settings from polish3's head over ShareGPT 11,821-15,420 (923k + 935k tokens),
 # ~99 min end to end on a bf16 CPU. Held-out acc_0 0.609 -> 0.619, six-set τ 2.234 -> 2.305, chain of 4 1.911 -> 1.979:
