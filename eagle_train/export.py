@@ -294,10 +294,14 @@ def main(cfg) -> int:
     # the trainer writes {"step", "metrics", ...} beside the head and into its config.json (only the exported
     # head's own: train.output may hold another phase's)
     train_state = _read_json(src / "train_state.json") or info.get("eagle_train", {}).get("train_state")
+    # data.output's corpus stats describe the head only if it trained on that corpus' dump (a later step may
+    # have read another: the card then keeps what train_state recorded)
+    trained_on = ((train_state or {}).get("data") or {}).get("dump") or {}
+    own_corpus = not trained_on.get("folder") or Path(trained_on["folder"]).resolve() == Path(cfg.dump.output).resolve()
     card = model_card.render(
         head=head, cfg=cfg, recipe_yaml=recipe_yaml,
         train_state=train_state or None,
-        data_stats=_read_json(Path(cfg.data.output) / "stats.json"),
+        data_stats=_read_json(Path(cfg.data.output) / "stats.json") if own_corpus else None,
         report=_read_json(Path(cfg.eval.output) / "report.json"),
         sweep=_read_json(Path(cfg.eval.output) / "sweep.json"),
         config=engine_config(head, cfg.hub.dtype, provenance),

@@ -170,8 +170,11 @@ def training_lines(head_type: str, train_state: dict) -> list:
     if data.get("source"):
         lines.append(f"- data: `{data['source']}`"
                      + (f" (at most {data['max_conversations']} conversations" if data.get("max_conversations") else " (")
+                     + (f" after the first {data['skip_conversations']}" if data.get("skip_conversations") else "")
                      + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
-                       "tokens in the loss)")
+                       "tokens in the loss"
+                     + (f", {(data.get('dump') or {})['num_tokens']} tokens"
+                        if (data.get("dump") or {}).get("num_tokens") is not None else "") + ")")
     for extra in data.get("extra_dumps") or []:
         d = extra.get("data") or {}
         lines.append(f"- and a second dump (`train.extra_dumps`): `{d.get('source')}`"

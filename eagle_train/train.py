@@ -281,7 +281,11 @@ def main(cfg, target=None, stop_after=None):
                           "learning_rate": tc.learning_rate, "feature_norm": tc.feature_norm,
                           "init": cfg.head.init},
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,
+                         "skip_conversations": cfg.data.skip_conversations,
                          "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions,
+                         # the dump it read (offline): export attaches data.output's stats only when they are its own
+                         "dump": ({"folder": str(ds.folder), "num_tokens": ds.manifest.get("num_tokens")}
+                                  if tc.mode == "offline" else None),
                          "extra_dumps": [{"folder": str(p.folder), "num_tokens": p.manifest.get("num_tokens"),
                                           "data": p.manifest.get("settings", {}).get("data")}
                                          for p in getattr(ds, "parts", [])[1:]]}}

@@ -297,6 +297,20 @@ def test_export_cli_writes_card_and_checks(tmp_path, tiny_llama, capsys):
     # check by recipe: its export folder against its target
     assert cli.run_stage("check", [str(recipe)]) == 0
 
+    # data.output's corpus stats go into the card only when the head trained on that corpus' dump: a head whose
+    # last step read another dump keeps what training recorded (its offset and token count)
+    (tmp_path / "run/data").mkdir(parents=True)
+    (tmp_path / "run/data/stats.json").write_text(json.dumps({"tokens": 777, "truncated": 5}))
+    for folder, own in ((tmp_path / "run/dump", True), (tmp_path / "other/dump", False)):
+        data = {**recorded["data"], "skip_conversations": 3600, "dump": {"folder": str(folder), "num_tokens": 935343}}
+        save_head(head, tmp_path / "run/train/final",
+                  extra={"train_state": {"step": 1500, "metrics": {}, **recorded, "data": data}})
+        assert cli.main(["export", str(recipe)]) == 0
+        card = (tmp_path / "run/export/README.md").read_text()
+        assert ("- data: `recorded.jsonl` (at most 900 conversations after the first 3600, max 640 tokens each, "
+                "assistant tokens in the loss, 935343 tokens)") in card
+        assert ("- corpus stats: tokens 777, truncated 5" in card) == own
+
 
 def test_export_takes_the_evaluated_head_over_the_first_phase(tmp_path, tiny_llama, capsys):
     # a later phase's head (eval.head) is the one evaluated, so the one exported, even when train.output holds another

@@ -4,6 +4,7 @@ offline (dump) and online modes, exact resume, NaN stop, CLI."""
 import gzip
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +278,9 @@ def test_extra_dumps_train_with_the_first(tmp_path):
     assert res["metrics"]["eval/acc_0"] > res["metrics"]["eval0/acc_0"] + 0.03
     state = json.loads((res["final"] / "train_state.json").read_text())
     assert state["data"]["extra_dumps"][0]["num_tokens"] == 24 * 64
+    first = json.loads((tmp_path / "a" / "dump" / "manifest.json").read_text())
+    assert Path(state["data"]["dump"]["folder"]).resolve() == (tmp_path / "a" / "dump").resolve()
+    assert state["data"]["dump"]["num_tokens"] == first["num_tokens"] > 0
     head = load_head(res["final"], target=target)
     assert head.t2d[100:].any()  # the second corpus' tokens were counted
 
