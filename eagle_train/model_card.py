@@ -166,6 +166,7 @@ def deploy_section(eval_dir) -> list:
 def training_lines(head_type: str, train_state: dict) -> list:
     """The data and settings the head was trained with, as its training run recorded them."""
     data, run = train_state.get("data") or {}, train_state.get("train") or {}
+    dump = data.get("dump") or {}  # the dump it read (recorded since the fifth polish)
     lines = []
     if data.get("source"):
         lines.append(f"- data: `{data['source']}`"
@@ -173,8 +174,7 @@ def training_lines(head_type: str, train_state: dict) -> list:
                      + (f" after the first {data['skip_conversations']}" if data.get("skip_conversations") else "")
                      + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
                        "tokens in the loss"
-                     + (f", {(data.get('dump') or {})['num_tokens']} tokens"
-                        if (data.get("dump") or {}).get("num_tokens") is not None else "") + ")")
+                     + (f", {dump['num_tokens']} tokens" if dump.get("num_tokens") is not None else "") + ")")
     for extra in data.get("extra_dumps") or []:
         d = extra.get("data") or {}
         lines.append(f"- and a second dump (`train.extra_dumps`): `{d.get('source')}`"
