@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import List
 
 import matplotlib
 
@@ -159,10 +160,21 @@ def write_report(rep: dict, out_dir) -> Path:
     return out
 
 
+def set_spread(r: dict, sets: List[str]) -> str:
+    """One row's tau on each prompt set, and how far the lowest set falls below the first listed (the
+    reference set, MT-bench in the recipes): a head tuned to one set shows it here."""
+    taus = r["tau_by_set"]
+    low = min(sets[1:], key=lambda s: taus[s])
+    return (", ".join(f"{s} {taus[s]:.3f}" for s in sets)
+            + f"; lowest {low}, {100 * (taus[low] / taus[sets[0]] - 1):+.0f}% of {sets[0]}")
+
+
 def write_sweep(sweep: dict, out_dir) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     b = sweep["best"]
+    # per-set columns only where the sweep pooled several sets (older sweep.json files have none)
+    sets = list(b.get("tau_by_set", {})) if len(b.get("tau_by_set", {})) > 1 else []
     lines = [f"# Tree sweep: {sweep.get('head', '')}", "",
              f"- target: `{sweep.get('target', '')}`, machine: {sweep.get('machine', '')}, "
              f"temperature {sweep.get('temperature', 0):g}, prompts {sweep.get('n_prompts', '')} "
@@ -181,11 +193,16 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              f"- target dtype: {sweep.get('target_dtype', 'float32')}, decoding threads: {sweep.get('threads', '-')}"
              + ("" if sweep.get("target_dtype", "float32") == "float32" else
                 " (greedy mismatches: near-ties rounded differently by a tree pass; counted, not disqualifying)"),
-             *([f"- **warning: {sweep['busy']}**"] if sweep.get("busy") else []), "",
-             "| tree | topk | depth | num_draft_tokens | tau | speedup | tok/s | greedy mismatches |",
-             "|---|---|---|---|---|---|---|---|"]
+             *([f"- **warning: {sweep['busy']}**"] if sweep.get("busy") else []),
+             *([f"- tau by prompt set, best: {set_spread(b, sets)}"] if len(sets) > 1 else []),
+             *([f"- tau by prompt set, most tokens per pass: {set_spread(m, sets)}"]
+               if len(sets) > 1 and (m := sweep.get("most_tau")) and m is not b else []), "",
+             "| tree | topk | depth | num_draft_tokens | tau | speedup | tok/s | greedy mismatches |"
+             + "".join(f" tau {s} |" for s in sets),
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(sets)]
     lines += [f"| {r.get('tree', '-')} | {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
               f"{r['speedup']:.3f} | {r['tokens_per_s']:.1f} | {r.get('greedy_mismatches', '-')} |"
+              + "".join(f" {r['tau_by_set'][s]:.3f} |" for s in sets)
               for r in sweep["results"]]
     atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
     atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=2))

@@ -35,14 +35,20 @@ def sweep_settings(ecfg) -> List[dict]:
     return out
 
 
+def tau_of(accept_lengths: List[int]) -> float:
+    """Mean tokens per target pass: the accepted drafts plus the target's own token."""
+    return sum(a + 1 for a in accept_lengths) / max(1, len(accept_lengths))
+
+
 def sweep_main(cfg) -> Path:
     """Per prompt: the baseline and every tree setting back to back (rotating order); rank the
     lossless settings by measured speedup."""
     ecfg = cfg.eval
     check_eval_section(ecfg)
     # prompts of every benchmark pooled, so the chosen tree is not tuned to one prompt set
-    paths = [resolve_benchmark(b, ecfg.benchmark_dir) for b in ecfg.benchmarks]
-    prompts = [p for path in paths for p in load_prompts(path, ecfg.max_prompts)]
+    labels = [benchmark_label(b) for b in ecfg.benchmarks]
+    prompts = [(label, p) for label, b in zip(labels, ecfg.benchmarks)
+               for p in load_prompts(resolve_benchmark(b, ecfg.benchmark_dir), ecfg.max_prompts)]
     torch.manual_seed(ecfg.seed)
     load = load_at_start()
     model, tok, head, tid = setup(cfg, load)
@@ -54,8 +60,9 @@ def sweep_main(cfg) -> Path:
                    SpecConfig(**{**s.__dict__, "max_new_tokens": 4}), tok.eos_token_id, 0)
     eos = tok.eos_token_id
     names = ["baseline"] + [f"s{i}" for i in range(len(settings))]
-    stats = {n: {"n": 0, "t": 0.0, "acc": [], "mismatches": 0} for n in names}
-    for k, p in enumerate(tqdm(prompts, desc="sweep", unit="prompt", dynamic_ncols=True)):
+    # accepted lengths kept per prompt set too: a tree is judged on each set, not only on the pooled mean
+    stats = {n: {"n": 0, "t": 0.0, "acc": {label: [] for label in labels}, "mismatches": 0} for n in names}
+    for k, (label, p) in enumerate(tqdm(prompts, desc="sweep", unit="prompt", dynamic_ncols=True)):
         ids = render(tok, [{"role": "user", "content": p["turns"][0]}])
         outs = {}
         for name in names[k % len(names):] + names[: k % len(names)]:
@@ -65,7 +72,7 @@ def sweep_main(cfg) -> Path:
             outs[name] = res["tokens"]
             stats[name]["n"] += len(res["tokens"])
             stats[name]["t"] += res["seconds"]
-            stats[name]["acc"] += res.get("accept_lengths", [])
+            stats[name]["acc"][label] += res.get("accept_lengths", [])
         if temp == 0:
             for name in names[1:]:
                 stats[name]["mismatches"] += outs[name] != outs["baseline"]
@@ -74,8 +81,11 @@ def sweep_main(cfg) -> Path:
     for i, s in enumerate(settings):
         st = stats[f"s{i}"]
         tps = st["n"] / max(1e-9, st["t"])
-        results.append({**s, "tau": sum(a + 1 for a in st["acc"]) / max(1, len(st["acc"])), "speedup": tps / tps_v,
-                        "tokens_per_s": tps, **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {})})
+        acc = [a for label in labels for a in st["acc"][label]]
+        results.append({**s, "tau": tau_of(acc), "speedup": tps / tps_v, "tokens_per_s": tps,
+                        **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {}),
+                        "tau_by_set": {label: tau_of(st["acc"][label]) for label in labels},
+                        "passes_by_set": {label: len(st["acc"][label]) for label in labels}})
         print(f"[sweep] {s}: tau {results[-1]['tau']:.3f}, speedup {results[-1]['speedup']:.3f}")
     lossless = lossless_rows(results, dtype_name(model))
     if not lossless:
@@ -86,7 +96,7 @@ def sweep_main(cfg) -> Path:
     sweep = {"target": tid, "head": str(ecfg.head), "machine": machine(), "load_average": load,
              "target_dtype": dtype_name(model), "threads": torch.get_num_threads(),
              "busy": busy_warning(load, torch.get_num_threads()),
-             "temperature": temp, "benchmarks": [benchmark_label(b) for b in ecfg.benchmarks],
+             "temperature": temp, "benchmarks": labels,
              "n_prompts": len(prompts), "tokens_per_s_vanilla": tps_v, "results": results, "best": best,
              "most_tau": most_tau}
     return write_sweep(sweep, ecfg.output)

@@ -211,6 +211,14 @@ def test_sweep_names_the_best(smollm2, head_dir, tmp_path, monkeypatch):
     assert sw["most_tau"] == max(sw["results"], key=lambda r: r["tau"])
     md, b = (out / "sweep.md").read_text(), sw["best"]
     assert "Best on this machine" in md
+    # the recipe's two sets, each tree's tau on each: the pooled tau is their pass-weighted mean
+    assert sw["benchmarks"] == ["mt_bench", "humaneval"]
+    for r in sw["results"]:
+        n = r["passes_by_set"]
+        assert list(r["tau_by_set"]) == sw["benchmarks"] and all(n.values())
+        assert r["tau"] == pytest.approx(sum(r["tau_by_set"][s] * n[s] for s in n) / sum(n.values()))
+    assert "| tau mt_bench | tau humaneval |" in md
+    assert f"- tau by prompt set, best: mt_bench {b['tau_by_set']['mt_bench']:.3f}, humaneval" in md
     # SGLang's --speculative-num-draft-tokens counts the verified root
     assert (f"--speculative-num-steps {b['depth']} --speculative-eagle-topk {b['topk']} "
             f"--speculative-num-draft-tokens {b['num_draft_tokens'] + 1}") in md
