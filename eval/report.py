@@ -164,9 +164,16 @@ def set_spread(r: dict, sets: List[str]) -> str:
     """One row's tau on each prompt set, and how far the lowest set falls below the first listed (the
     reference set, MT-bench in the recipes): a head tuned to one set shows it here."""
     taus = r["tau_by_set"]
-    low = min(sets[1:], key=lambda s: taus[s])
-    return (", ".join(f"{s} {taus[s]:.3f}" for s in sets)
-            + f"; lowest {low}, {100 * (taus[low] / taus[sets[0]] - 1):+.0f}% of {sets[0]}")
+    text = ", ".join(f"{s} {_tau(taus[s])}" for s in sets)
+    rest = [s for s in sets[1:] if taus[s] is not None]
+    if taus[sets[0]] is None or not rest:
+        return text
+    low = min(rest, key=lambda s: taus[s])
+    return text + f"; lowest {low}, {100 * (taus[low] / taus[sets[0]] - 1):+.0f}% of {sets[0]}"
+
+
+def _tau(t) -> str:
+    return "-" if t is None else f"{t:.3f}"
 
 
 def write_sweep(sweep: dict, out_dir) -> Path:
@@ -202,7 +209,7 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              "|---|---|---|---|---|---|---|---|" + "---|" * len(sets)]
     lines += [f"| {r.get('tree', '-')} | {r['topk']} | {r['depth']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
               f"{r['speedup']:.3f} | {r['tokens_per_s']:.1f} | {r.get('greedy_mismatches', '-')} |"
-              + "".join(f" {r['tau_by_set'][s]:.3f} |" for s in sets)
+              + "".join(f" {_tau(r['tau_by_set'][s])} |" for s in sets)
               for r in sweep["results"]]
     atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
     atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=2))

@@ -84,7 +84,9 @@ def sweep_main(cfg) -> Path:
         acc = [a for label in labels for a in st["acc"][label]]
         results.append({**s, "tau": tau_of(acc), "speedup": tps / tps_v, "tokens_per_s": tps,
                         **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {}),
-                        "tau_by_set": {label: tau_of(st["acc"][label]) for label in labels},
+                        # None: the set's replies ended before a target pass (nothing to average)
+                        "tau_by_set": {label: tau_of(st["acc"][label]) if st["acc"][label] else None
+                                       for label in labels},
                         "passes_by_set": {label: len(st["acc"][label]) for label in labels}})
         print(f"[sweep] {s}: tau {results[-1]['tau']:.3f}, speedup {results[-1]['speedup']:.3f}")
     lossless = lossless_rows(results, dtype_name(model))

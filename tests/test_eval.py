@@ -180,6 +180,20 @@ def test_eval_reads_an_exported_head_and_refuses_another_targets(smollm2, head_d
     assert "another target" in err and "vocab_size 512 vs the target's 49152" in err and "hidden_size 576" in err
 
 
+def test_sweep_md_by_set_names_the_lowest_and_skips_a_set_without_passes(tmp_path):
+    """Each tree's tau per set; the lowest set is judged against the first; a set whose replies ended before any
+    target pass has no tau ("-"), and neither divides nor wins the lowest."""
+    row = {"tree": "chain", "topk": 1, "depth": 4, "num_draft_tokens": 4, "tau": 2.0, "speedup": 1.4,
+           "tokens_per_s": 30.0, "greedy_mismatches": 0, "tau_by_set": {"mt_bench": 2.2, "sum": 1.7, "qa": None}}
+    report_mod.write_sweep({"best": row, "results": [row], "benchmarks": ["mt_bench", "sum", "qa"]}, tmp_path)
+    md = (tmp_path / "sweep.md").read_text()
+    assert "- tau by prompt set, best: mt_bench 2.200, sum 1.700, qa -; lowest sum, -23% of mt_bench" in md
+    assert "| tau mt_bench | tau sum | tau qa |" in md and "| 2.200 | 1.700 | - |" in md
+    row["tau_by_set"] = {"mt_bench": None, "sum": 1.7, "qa": 1.9}  # no reference: the taus, no ratio
+    report_mod.write_sweep({"best": row, "results": [row]}, tmp_path)
+    assert "- tau by prompt set, best: mt_bench -, sum 1.700, qa 1.900\n" in (tmp_path / "sweep.md").read_text()
+
+
 def test_plots_have_labelled_axes(tmp_path, monkeypatch):
     figs = []
     monkeypatch.setattr(report_mod, "_atomic_fig", lambda fig, path: figs.append((path.name, fig)))
