@@ -201,9 +201,9 @@ def write_sweep(sweep: dict, out_dir) -> Path:
              + ("" if sweep.get("target_dtype", "float32") == "float32" else
                 " (greedy mismatches: near-ties rounded differently by a tree pass; counted, not disqualifying)"),
              *([f"- **warning: {sweep['busy']}**"] if sweep.get("busy") else []),
-             *([f"- tau by prompt set, best: {set_spread(b, sets)}"] if len(sets) > 1 else []),
+             *([f"- tau by prompt set, best: {set_spread(b, sets)}"] if sets else []),
              *([f"- tau by prompt set, most tokens per pass: {set_spread(m, sets)}"]
-               if len(sets) > 1 and (m := sweep.get("most_tau")) and m is not b else []), "",
+               if sets and (m := sweep.get("most_tau")) and m is not b else []), "",
              "| tree | topk | depth | num_draft_tokens | tau | speedup | tok/s | greedy mismatches |"
              + "".join(f" tau {s} |" for s in sets),
              "|---|---|---|---|---|---|---|---|" + "---|" * len(sets)]

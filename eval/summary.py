@@ -73,6 +73,11 @@ def summarize_method(records: List[dict], name: str, seed: int = 0) -> dict:
     return out
 
 
+def tau_of(accept_lengths: List[int]) -> float:
+    """Mean tokens per target pass: the accepted drafts plus the target's own token."""
+    return sum(a + 1 for a in accept_lengths) / max(1, len(accept_lengths))
+
+
 def tau_by_position(records: List[dict]) -> dict:
     """The head's tau over the passes starting in each reply-position bucket ("0-31", ..., "384+").
     The prefill emits reply token 0, so the first drafting pass starts at position 1."""
@@ -108,7 +113,7 @@ def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
            "tokens_per_s_spec": head["tokens_per_s"],
            "tokens_per_s_vanilla": float(base[:, 4].sum() / max(1e-9, base[:, 5].sum())),
            "accept_by_depth": by_depth, "accept_hist": hist,
-           "tau_by_turn": {str(t): sum(a + 1 for a in v) / max(1, len(v)) for t, v in sorted(turns.items())},
+           "tau_by_turn": {str(t): tau_of(v) for t, v in sorted(turns.items())},
            "tau_by_position": tau_by_position(records),
            "time_split": {"draft": t_draft / max(1e-9, t_all), "verify": t_verify / max(1e-9, t_all),
                           "other": max(0.0, 1 - (t_draft + t_verify) / max(1e-9, t_all))}}

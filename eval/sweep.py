@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from eagle_train.decoding import SpecConfig, max_tree_nodes
 from eagle_train.eval.report import write_sweep
-from eagle_train.eval.summary import lossless_rows
+from eagle_train.eval.summary import lossless_rows, tau_of
 from eagle_train.eval.run import (benchmark_label, busy_warning, check_eval_section, dtype_name, load_at_start,
                                   load_average, load_prompts, machine, render, resolve_benchmark, run_method, setup)
 
@@ -33,11 +33,6 @@ def sweep_settings(ecfg) -> List[dict]:
             seen.add((topk, depth, nd))
             out.append({"tree": tree, "topk": topk, "depth": depth, "num_draft_tokens": nd})
     return out
-
-
-def tau_of(accept_lengths: List[int]) -> float:
-    """Mean tokens per target pass: the accepted drafts plus the target's own token."""
-    return sum(a + 1 for a in accept_lengths) / max(1, len(accept_lengths))
 
 
 def sweep_main(cfg) -> Path:
@@ -81,7 +76,7 @@ def sweep_main(cfg) -> Path:
     for i, s in enumerate(settings):
         st = stats[f"s{i}"]
         tps = st["n"] / max(1e-9, st["t"])
-        acc = [a for label in labels for a in st["acc"][label]]
+        acc = [a for per_set in st["acc"].values() for a in per_set]  # each set once, even if two share a label
         results.append({**s, "tau": tau_of(acc), "speedup": tps / tps_v, "tokens_per_s": tps,
                         **({"greedy_mismatches": st["mismatches"]} if temp == 0 else {}),
                         # None: the set's replies ended before a target pass (nothing to average)
