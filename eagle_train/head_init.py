@@ -97,27 +97,25 @@ def init_weights(head, init, embed, lm_head_w, norm_w, start=None, target=None, 
 def copy_start(head, start, lm_head_w=None):
     """`head` takes `start`'s trained tensors. A wider MLP keeps the start's units and adds new ones whose
     down_proj columns are zero (their gate/up rows keep the fresh initialization): the head computes exactly
-    what `start` did, and training grows the new units from there (down first, then gate/up). A larger
-    draft vocabulary (its d2t set already, the start's tokens among it) keeps each old token's lm_head row;
-    a new token's row is the target's lm_head row mapped by the least-squares fit of the old rows on theirs."""
+    what `start` did, and training grows the new units from there (down first, then gate/up). A draft
+    vocabulary other than the start's (its d2t set already: larger, or re-ranked by head.draft_vocab_swap) keeps
+    the lm_head row of each token the two share; a new token's row is the target's lm_head row mapped by the
+    least-squares fit of the start's rows on theirs."""
     theirs = start.state_dict()
     for name, p in head.named_parameters():
         if not p.requires_grad:
             continue
         w = theirs[name].float()
-        if w.shape == p.shape:
-            p.copy_(w)
-        elif name == "lm_head.weight":
+        if name == "lm_head.weight" and not torch.equal(draft_ids_of(head.d2t), draft_ids_of(start.d2t)):
             ours_ids, old_ids = draft_ids_of(head.d2t), draft_ids_of(start.d2t)
-            rows = torch.searchsorted(ours_ids, old_ids)  # draft ids ascend with target ids
-            if not torch.equal(ours_ids[rows.clamp(max=len(ours_ids) - 1)], old_ids):
-                raise RecipeError("head.draft_vocab_size: the extended draft vocabulary lost tokens of head.init's")
-            new = torch.ones(len(ours_ids), dtype=torch.bool)
-            new[rows] = False
+            at = torch.searchsorted(old_ids, ours_ids).clamp(max=len(old_ids) - 1)  # draft ids ascend with target ids
+            shared = old_ids[at] == ours_ids
             tgt = lm_head_w.float()
             fit = torch.linalg.lstsq(tgt[old_ids], w).solution  # (H, H): target row -> head row
-            p[rows] = w
-            p[new] = tgt[ours_ids[new]] @ fit
+            p[shared] = w[at[shared]]
+            p[~shared] = tgt[ours_ids[~shared]] @ fit
+        elif w.shape == p.shape:
+            p.copy_(w)
         elif name.endswith("down_proj.weight"):
             p.zero_()
             p[:, :w.shape[1]] = w

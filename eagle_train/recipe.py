@@ -175,6 +175,11 @@ class HeadConfig:
     # vocabulary is extended with this corpus' most frequent other tokens (lm_head rows of new tokens start from the
     # target's, mapped by a least-squares fit of the head's rows on the target's)
     draft_vocab_size: int = spec(32000, check="> 0")
+    # EAGLE-3 with a head folder in head.init: re-rank its draft vocabulary on this run's corpus (extra dumps
+    # included): up to this many of its least counted tokens give their slots to the corpus' most counted tokens
+    # outside it, each to one counted more often (new rows start as a larger vocabulary's do). For a fine-tune on
+    # text the head's vocabulary misses (another language). 0: the head's vocabulary as it is
+    draft_vocab_swap: int = spec(0, check=">= 0")
     # MLP width of the draft decoder layer (None: the target's). Wider than a head.init folder's: new units
     # start with zero down_proj columns (the head computes what it did)
     intermediate_size: Optional[int] = None

@@ -158,6 +158,9 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
     if cfg.head.init not in ("none", "lm_head", "last_layer") and not Path(cfg.head.init).expanduser().is_dir():
         problems.append(f"`head.init` = {cfg.head.init!r} is not one of none, lm_head, last_layer, nor a head folder")
+    if cfg.head.draft_vocab_swap and cfg.head.init in ("none", "lm_head", "last_layer"):
+        problems.append(f"`head.draft_vocab_swap` = {cfg.head.draft_vocab_swap} re-ranks a trained head's draft "
+                        f"vocabulary: set `head.init` to a head folder (it is {cfg.head.init!r})")
     if problems:
         raise RecipeError(f"{where}: {len(problems)} problem(s) in the recipe:\n  - " + "\n  - ".join(problems))
 

@@ -94,11 +94,12 @@ def main(cfg, target=None, stop_after=None):
         check_resume_contract(ckpt, saved, contract)
     start = start_head(cfg.head.init, head)  # head.init = a head folder: fine-tune that head
     if head_type == "eagle3":  # the draft vocabulary: the start head's (part of what it learned), else counted
-        grow = start is not None and head.d2t.numel() > start.d2t.numel()  # a larger head.draft_vocab_size
+        # a larger head.draft_vocab_size or a re-ranked one: counted on this corpus
+        grow = start is not None and (head.d2t.numel() > start.d2t.numel() or cfg.head.draft_vocab_swap > 0)
         head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None and not grow else shared_draft_vocab(
             accelerator, out / "draft_vocab.safetensors",
             lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size), cfg.head.draft_vocab_size,
-            keep=start.t2d if grow else None)))  # extending a start head: its tokens, then this corpus' most frequent
+            keep=start.t2d if grow else None, swap=cfg.head.draft_vocab_swap)))  # a start head's tokens first
     aux_layers = head.config.aux_layers if head_type == "eagle3" else None
 
     def features(b):  # online mode: the frozen target's features of the batch, computed here

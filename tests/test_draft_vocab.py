@@ -53,3 +53,16 @@ def test_larger_than_seen_is_filled_deterministically_and_capped():
     assert torch.equal(build_draft_vocab(counts, 10)[0], d2t)
     d2t, t2d = build_draft_vocab(counts, 5000)  # capped at the target vocabulary
     assert d2t.numel() == 100 and t2d.all() and (d2t == 0).all()
+
+
+def test_swap_gives_the_least_counted_slots_to_more_counted_outsiders_only():
+    counts = torch.tensor([9, 1, 0, 7, 3, 8, 2, 5, 0, 4])
+    keep = torch.zeros(10, dtype=torch.bool)
+    keep[[0, 1, 2, 3, 4]] = True  # a head's vocabulary: counts 9, 1, 0, 7, 3
+    # outside, most counted first: 5 (8), 7 (5), 9 (4), 6 (2); weakest kept: 2 (0), 1 (1), 4 (3), 3 (7)
+    for swap, chosen in [(0, [0, 1, 2, 3, 4]), (1, [0, 1, 3, 4, 5]), (2, [0, 3, 4, 5, 7]),
+                         (3, [0, 3, 5, 7, 9]), (5, [0, 3, 5, 7, 9])]:
+        d2t, t2d = build_draft_vocab(counts, 5, keep=keep, swap=swap)
+        assert draft_ids_of(d2t).tolist() == chosen, (swap, draft_ids_of(d2t).tolist())
+        assert t2d.sum() == 5
+    # 4 (3) against 9 (4): swapped at swap=3; 3 (7) against 6 (2) never is, however large the swap

@@ -186,6 +186,71 @@ def test_sharegpt_dataset_alias_reads_incrementally():
     assert all(c.messages[-1]["role"] == "assistant" for c in convs)
 
 
+PO = """# a catalog as gettext writes it
+msgid ""
+msgstr ""
+"Language: de\\n"
+
+#: a.py:1
+msgid "Enter a valid email address, please."
+msgstr "Bitte eine gültige E-Mail-Adresse eingeben, danke."
+
+msgctxt "button"
+msgid "Too short"
+msgstr "Zu kurz"
+msgid "Nobody translated this long sentence yet."
+msgstr ""
+
+msgid "One item was deleted from the list."
+msgid_plural "%(n)s items were deleted."
+msgstr[0] "Ein Eintrag wurde aus der Liste gelöscht."
+msgstr[1] "%(n)s Einträge wurden gelöscht."
+
+#, python-format
+msgid ""
+"A long wrapped line "
+"with \\"quotes\\" in it."
+msgstr ""
+"Eine lange umbrochene Zeile "
+"mit \\"Anführungszeichen\\" darin."
+
+msgid "Hello %(name)s, your order has shipped today."
+msgstr "Hallo %(name)s, Ihre Bestellung wurde heute versandt."
+"""
+
+
+def test_gettext_catalog_becomes_translation_tasks(tmp_path):
+    """A .po file (or a folder holding one) is read as translation tasks: the translated sentence to
+    English answered by its original, every third the other way; entries without a translation, too short
+    or with placeholders are counted, never kept; wrapped strings and escapes are joined; a line that is not
+    gettext stops with the file and line."""
+    locale = tmp_path / "pkg" / "locale" / "de" / "LC_MESSAGES"
+    locale.mkdir(parents=True)
+    (locale / "django.po").write_text(PO, encoding="utf-8")
+    skips = Skips()
+    convs = list(read_conversations(tmp_path, skips=skips))
+    assert [c.messages for c in convs] == [
+        [{"role": "user", "content": "Translate German to English: Bitte eine gültige E-Mail-Adresse eingeben, danke."},
+         {"role": "assistant", "content": "Enter a valid email address, please."}],
+        [{"role": "user", "content": "Translate German to English: Ein Eintrag wurde aus der Liste gelöscht."},
+         {"role": "assistant", "content": "One item was deleted from the list."}],
+        [{"role": "user", "content": 'Translate English to German: A long wrapped line with "quotes" in it.'},
+         {"role": "assistant", "content": 'Eine lange umbrochene Zeile mit "Anführungszeichen" darin.'}]]
+    assert convs[0].id == "de:pkg/django.po:7" and len({c.id for c in convs}) == 3
+    assert skips.counts == {"po_untranslated": 1, "po_short_or_markup": 2}
+    (locale / "django.po").write_text(PO.replace('msgstr "Zu kurz"', 'msgstr "Zu kurz"\nnot gettext'), encoding="utf-8")
+    with pytest.raises(readers.CorpusError, match=r"django.po:13: not a gettext catalog line"):
+        list(read_conversations(tmp_path))
+
+
+def test_django_locales_alias_reads_six_languages():
+    # Django's catalogs in its wheel (make install puts it in, --no-deps)
+    convs = list(read_conversations("django-locales"))
+    langs = {c.id.split(":")[0] for c in convs}
+    assert len(convs) > 600 and langs == {"de", "fr", "es", "it", "pt", "nl"}
+    assert all(c.messages[0]["content"].startswith("Translate ") for c in convs)
+
+
 def test_hub_source_error_is_clear(monkeypatch):
     import datasets
 

@@ -16,6 +16,7 @@ from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 from eagle_train.engine import shared_draft_vocab
 from eagle_train.errors import TrainingDiverged
 from eagle_train.heads import load_head
+from eagle_train.recipe import RecipeError
 from eagle_train.recipe_load import load_recipe
 from eagle_train.ttt import DraftLoss, shift, ttt_unroll
 from conftest import SHAREGPT, make_tiny_llama
@@ -480,6 +481,27 @@ def test_init_from_a_head_folder_fine_tunes_it(tmp_path):
     added[rows] = False
     assert torch.equal(head.lm_head.weight[rows], a.lm_head.weight.float())
     assert head.lm_head.weight[added].isfinite().all() and head.lm_head.weight[added].abs().sum() > 0
+
+    # a re-ranked vocabulary (head.draft_vocab_swap) on text made of tokens the start head lacks: exactly 8 of its
+    # slots change hands, the 56 tokens both share keep their rows, and swapping needs a head to start from
+    outsiders = (~a.t2d).nonzero().squeeze(1)
+    g = torch.Generator().manual_seed(1)
+    other = [(outsiders[torch.randint(0, len(outsiders), (48,), generator=g)], (torch.arange(48) >= 16).long())
+             for _ in range(64)]
+    write_corpus(other, tmp_path / "e" / "data")
+    swapped = load_head(train.main(load_recipe(None, tiny_args(tmp_path / "e", steps=2, extra=[
+        f"head.init={first['final']}", "head.draft_vocab_swap=8"])), target=target)["final"])
+    ids = draft_ids_of(swapped.d2t)
+    assert len(ids) == 64 and int((swapped.t2d & a.t2d).sum()) == 56 and not swapped.t2d[outsiders].all()
+    head = Eagle3Head(Eagle3Config(**a.config.__dict__))
+    head.set_draft_vocab(swapped.d2t, swapped.t2d)
+    with torch.no_grad():
+        copy_start(head, a, target.lm_head.weight)
+    shared = a.t2d[ids]
+    assert torch.equal(head.lm_head.weight[shared], a.lm_head.weight.float()[swapped.t2d[draft_ids_of(a.d2t)]])
+    assert head.lm_head.weight[~shared].isfinite().all() and head.lm_head.weight[~shared].abs().sum() > 0
+    with pytest.raises(RecipeError, match="head.draft_vocab_swap` = 8 re-ranks .* set `head.init` to a head folder"):
+        load_recipe(None, tiny_args(tmp_path / "f", extra=["head.draft_vocab_swap=8"]))
 
 
 def test_target_temperature_sharpens_dense_and_sparse_targets_alike():
