@@ -192,7 +192,7 @@ polish4:
 # second corpus again (13,621-15,420, a third epoch of it): held-out acc_0 0.616 -> 0.618 -> 0.623, six-set chain of
 # 4 on 60 first turns 1.904 -> 1.924 -> 1.928; the same 400 steps on SmolLM2's own replies to 888 of those prompts
 # tied on τ and lost held-out acc_0 (bench/RESULTS.md "## A fifth polish"). ~50 min + 24 min of dumps on a bf16 CPU.
-# The shipped head: `make full polish polish2 polish3 polish4 polish5 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
+# The shipped head before polish6: `make full polish polish2 polish3 polish4 polish5 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
 POLISH5 ?= output_dir=outputs/polish5 data.skip_conversations=15420 data.max_conversations=1800 data.eval_fraction=0.02
 POLISH5B ?= output_dir=outputs/polish5b data.skip_conversations=17220 data.max_conversations=1800 data.eval_fraction=0
 POLISH5_TRAIN ?= head.init=outputs/polish4/train/final train.micro_batch_size=4 train.ttt_steps=3 \
@@ -219,8 +219,9 @@ polish5: install
 # dumped (~3 min), and 400 steps of 4 at lr 1e-4 from polish5's head train on them with polish4's second corpus
 # (ShareGPT, as polish5's last step), 1,024 draft-vocabulary slots re-ranked on that text (head.draft_vocab_swap:
 # German and French words the ShareGPT vocabulary lacks replace tokens seen <= 3 times there). Translation prompts
-# (bench/prompts/translation, never trained on) chain of 4 1.42 -> 1.71, the other six sets unchanged
-# (bench/RESULTS.md "## Translation"). ~22 min on a bf16 CPU.
+# (bench/prompts/translate, never trained on) chain of 4 1.42 -> 1.65, recipe tree 1.60 -> 1.87, the six sets unchanged
+# (bench/RESULTS.md "## Translation"). 30 min on a bf16 CPU with the sweep, eval and export. The shipped head:
+# `make full polish polish2 polish3 polish4 polish5 polish6 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
 POLISH6 ?= output_dir=outputs/polish6 data.source=django-locales data.eval_fraction=0 \
         regen.enabled=true regen.max_turns=1 regen.max_new_tokens=128 regen.batch_size=16 regen.shard_size=32
 POLISH6_TRAIN ?= head.init=outputs/polish5/train-re/final head.draft_vocab_swap=1024 \
