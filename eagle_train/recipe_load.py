@@ -156,9 +156,10 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
                             "three numbers > 0, e.g. [10, 6, 60]")
     if cfg.eval.tree == "static" and not cfg.eval.static_tree:
         problems.append("`eval.tree` = 'static' needs `eval.static_tree` (a list of paths, e.g. [[0], [1], [0, 0]])")
-    if cfg.head.init not in ("none", "lm_head", "last_layer") and not Path(cfg.head.init).expanduser().is_dir():
+    named_init = cfg.head.init in ("none", "lm_head", "last_layer")  # else a head folder to start from
+    if not named_init and not Path(cfg.head.init).expanduser().is_dir():
         problems.append(f"`head.init` = {cfg.head.init!r} is not one of none, lm_head, last_layer, nor a head folder")
-    if cfg.head.draft_vocab_swap and cfg.head.init in ("none", "lm_head", "last_layer"):
+    if cfg.head.draft_vocab_swap and named_init:
         problems.append(f"`head.draft_vocab_swap` = {cfg.head.draft_vocab_swap} re-ranks a trained head's draft "
                         f"vocabulary: set `head.init` to a head folder (it is {cfg.head.init!r})")
     if problems:
