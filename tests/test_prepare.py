@@ -251,6 +251,19 @@ def test_django_locales_alias_reads_six_languages():
     assert all(c.messages[0]["content"].startswith("Translate ") for c in convs)
 
 
+def test_web_locales_alias_reads_three_wheels_in_german_and_french(monkeypatch):
+    # Plone's, Wagtail's and Sphinx's catalogs (make install puts the wheels in, --no-deps)
+    convs = list(read_conversations("web-locales"))
+    ids = [c.id for c in convs]
+    assert len(convs) > 3000 and len(set(ids)) == len(ids) and {i.split(":")[0] for i in ids} == {"de", "fr"}
+    assert {i.split(":")[1].split("/")[0] for i in ids} >= {"locales", "admin", "sphinx"}
+    # one wheel missing: the error names the alias and the wheel to install
+    real = readers.importlib.util.find_spec
+    monkeypatch.setattr(readers.importlib.util, "find_spec", lambda m: None if m == "wagtail" else real(m))
+    with pytest.raises(FileNotFoundError, match=r"data.source='web-locales' needs the PyPI package `wagtail`"):
+        list(read_conversations("web-locales"))
+
+
 def test_hub_source_error_is_clear(monkeypatch):
     import datasets
 
