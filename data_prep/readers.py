@@ -58,7 +58,7 @@ LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "
              "zh": "Chinese", "ko": "Korean", "tr": "Turkish", "fi": "Finnish", "ro": "Romanian", "hu": "Hungarian"}
 # a catalog entry becomes a task when its translation has this many words and no markup or placeholders
 PO_MIN_WORDS = 5
-PO_MARKUP = ("%", "{", "<")
+PO_MARKUP = ("%", "{", "<", "$")
 CHUNK_CHARS = 1 << 20
 
 
@@ -317,6 +317,13 @@ def po_entries(path: Path) -> Iterator[Tuple[int, Dict[str, str]]]:
             if "msgid" in entry:
                 yield start, entry
             entry, key = {}, None
+            if not line:
+                continue
+        if line.startswith("#. Default:"):  # Zope/Plone: msgid is a message id, its English text is here
+            try:
+                entry["default"] = json.loads(line[len("#. Default:"):].strip())
+            except json.JSONDecodeError:
+                pass  # a comment: a malformed one only costs the entry its English text
             continue
         if line.startswith("#"):
             continue
@@ -326,7 +333,7 @@ def po_entries(path: Path) -> Iterator[Tuple[int, Dict[str, str]]]:
             entry, key = {}, None
         if word in ("msgctxt", "msgid", "msgid_plural", "msgstr", "msgstr[0]") and rest.startswith('"'):
             key = word.replace("[0]", "")
-            start = start if entry else lineno
+            start = start if entry.keys() - {"default"} else lineno  # the msgctxt or msgid that opens it
             entry[key] = _po_string(rest, path, lineno)
         elif word.startswith("msgstr[") and rest.startswith('"'):
             key = None  # further plural forms: the singular is the task
@@ -346,7 +353,8 @@ def _po_string(quoted: str, path: Path, lineno: int) -> str:
 
 def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     """Translation tasks (messages records) from one gettext catalog; untranslated, short or marked-up
-    entries are counted in `skips` as `po_untranslated` / `po_short_or_markup`."""
+    entries are counted in `skips` as `po_untranslated` / `po_short_or_markup`. A message id for a msgid
+    (one word: `label_save`) is replaced by its `#. Default:` English text, else counted as `po_message_id`."""
     entries = list(po_entries(path))
     header = next((e["msgstr"] for _, e in entries if e["msgid"] == ""), "")
     code = next((ln.split(":", 1)[1].strip() for ln in header.splitlines() if ln.lower().startswith("language:")),
@@ -358,6 +366,11 @@ def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
         if not english:
             continue
         where = f"{path.name}:{lineno}"
+        if not any(c.isspace() for c in english.strip()):  # a message id (label_save): the English is its default
+            english = e.get("default", "")
+            if not english:
+                skips.add("po_message_id", where)
+                continue
         if not other:
             skips.add("po_untranslated", where)
         elif len(other.split()) < PO_MIN_WORDS or any(c in other + english for c in PO_MARKUP):

@@ -216,13 +216,25 @@ msgstr ""
 
 msgid "Hello %(name)s, your order has shipped today."
 msgstr "Hallo %(name)s, Ihre Bestellung wurde heute versandt."
+
+#. Default: "Click here to download the whole file."
+msgid "label_click_to_get_file"
+msgstr "Hier klicken, um die ganze Datei herunterzuladen."
+
+msgid "help_without_a_default"
+msgstr "Diese Hilfe hat keinen englischen Text dabei."
+
+#. Default: "Welcome $name, your order has shipped."
+msgid "label_welcome"
+msgstr "Willkommen $name, Ihre Bestellung ist unterwegs."
 """
 
 
 def test_gettext_catalog_becomes_translation_tasks(tmp_path):
     """A .po file (or a folder holding one) is read as translation tasks: the translated sentence to
-    English answered by its original, every third the other way; entries without a translation, too short
-    or with placeholders are counted, never kept; wrapped strings and escapes are joined; a line that is not
+    English answered by its original, every third the other way; a message id stands for its `#. Default:`
+    English; entries without a translation or English text, too short or with placeholders are counted,
+    never kept; wrapped strings and escapes are joined; a line that is not
     gettext stops with the file and line."""
     locale = tmp_path / "pkg" / "locale" / "de" / "LC_MESSAGES"
     locale.mkdir(parents=True)
@@ -235,9 +247,13 @@ def test_gettext_catalog_becomes_translation_tasks(tmp_path):
         [{"role": "user", "content": "Translate German to English: Ein Eintrag wurde aus der Liste gelöscht."},
          {"role": "assistant", "content": "One item was deleted from the list."}],
         [{"role": "user", "content": 'Translate English to German: A long wrapped line with "quotes" in it.'},
-         {"role": "assistant", "content": 'Eine lange umbrochene Zeile mit "Anführungszeichen" darin.'}]]
-    assert convs[0].id == "de:pkg/django.po:7" and len({c.id for c in convs}) == 3
-    assert skips.counts == {"po_untranslated": 1, "po_short_or_markup": 2}
+         {"role": "assistant", "content": 'Eine lange umbrochene Zeile mit "Anführungszeichen" darin.'}],
+        # a message id (Zope/Plone catalogs): its English is the `#. Default:` comment
+        [{"role": "user", "content": "Translate German to English: Hier klicken, um die ganze Datei herunterzuladen."},
+         {"role": "assistant", "content": "Click here to download the whole file."}]]
+    assert convs[0].id == "de:pkg/django.po:7" and convs[3].id == "de:pkg/django.po:33"  # its msgid's line
+    assert len({c.id for c in convs}) == 4
+    assert skips.counts == {"po_untranslated": 1, "po_short_or_markup": 3, "po_message_id": 1}
     (locale / "django.po").write_text(PO.replace('msgstr "Zu kurz"', 'msgstr "Zu kurz"\nnot gettext'), encoding="utf-8")
     with pytest.raises(readers.CorpusError, match=r"django.po:13: not a gettext catalog line"):
         list(read_conversations(tmp_path))
