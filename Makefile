@@ -221,8 +221,7 @@ polish5: install
 # (ShareGPT, as polish5's last step), 1,024 draft-vocabulary slots re-ranked on that text (head.draft_vocab_swap:
 # German and French words the ShareGPT vocabulary lacks replace tokens seen <= 3 times there). Translation prompts
 # (bench/prompts/translate, never trained on) chain of 4 1.42 -> 1.65, recipe tree 1.60 -> 1.87, the six sets unchanged
-# (bench/RESULTS.md "## Translation"). 30 min on a bf16 CPU with the sweep, eval and export. The shipped head:
-# `make full polish polish2 polish3 polish4 polish5 polish6 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
+# (bench/RESULTS.md "## Translation"). 30 min on a bf16 CPU with the sweep, eval and export.
 POLISH6 ?= output_dir=outputs/polish6 data.source=django-locales data.eval_fraction=0 \
         regen.enabled=true regen.max_turns=1 regen.max_new_tokens=128 regen.batch_size=16 regen.shard_size=32
 POLISH6_TRAIN ?= head.init=outputs/polish5/train-re/final head.draft_vocab_swap=1024 \
@@ -240,10 +239,13 @@ polish6: install
 	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH6) eval.head=outputs/polish6/train/final
 	$(BIN)/eagle-train export $(RECIPE) $(POLISH6) eval.head=outputs/polish6/train/final
 
-# polish7: more translation. SmolLM2 answers the 3,481 German and French tasks of Plone's, Wagtail's and Sphinx's
-# catalogs (data.source=web-locales, longer help texts than Django's; bf16 target, ~24 min), they are dumped, and
-# 800 steps of 4 at lr 1e-4 from polish6's head train on them with polish6's Django tasks and two ShareGPT corpora
-# (polish4's second, polish5's first), 512 more draft-vocabulary slots re-ranked over all four.
+# polish7: more translation. SmolLM2 answers the 3,432 German and French tasks of Plone's, Wagtail's and Sphinx's
+# catalogs (data.source=web-locales, longer help texts than Django's; bf16 target, 21 min), they are dumped (9 min),
+# and 800 steps of 4 at lr 1e-4 from polish6's head train on them with polish6's Django tasks and two ShareGPT corpora
+# (polish4's second, polish5's first), 512 more draft-vocabulary slots re-ranked over all four (12 min). Translation
+# prompts chain of 4 1.65 -> 2.01, recipe tree 1.87 -> 2.24, the six sets tie (bench/RESULTS.md "## More
+# translation"). 55 min on a bf16 CPU with the sweep, eval and export. The shipped head:
+# `make full polish polish2 polish3 polish4 polish5 polish6 polish7 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
 POLISH7 ?= output_dir=outputs/polish7 data.source=web-locales data.max_conversations=4000 data.eval_fraction=0 \
         target.dtype=bfloat16 regen.enabled=true regen.max_turns=1 regen.max_new_tokens=128 regen.batch_size=16 \
         regen.shard_size=32
