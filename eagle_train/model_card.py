@@ -175,9 +175,9 @@ def training_lines(head_type: str, train_state: dict) -> list:
                      + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
                        "tokens in the loss"
                      + (f", {dump['num_tokens']} tokens" if dump.get("num_tokens") is not None else "") + ")")
-    for extra in data.get("extra_dumps") or []:
+    for i, extra in enumerate(data.get("extra_dumps") or []):
         d = extra.get("data") or {}
-        lines.append(f"- and a second dump (`train.extra_dumps`): `{d.get('source')}`"
+        lines.append(f"- and another dump (`train.extra_dumps[{i}]`): `{d.get('source')}`"
                      + (f", conversations after the first {d['skip_conversations']}" if d.get("skip_conversations") else "")
                      + f", max {d.get('max_length')} tokens each, {extra.get('num_tokens')} tokens")
     if run:
