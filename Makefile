@@ -112,6 +112,13 @@ EXTRA2 = [$(OUT)/more/dump]
 EXTRA3 = [$(OUT)/more/dump,$(OUT)/more3/dump]
 BUDGET = $(if $(FULL_MINUTES),train.budget_minutes=$$(cat $(OUT)/budget))
 SWEEP ?= eval.max_prompts=4
+# a training recipe's last three stages: tree sweep, eval (its defaults: the recipe tree), export; $(1): overrides
+define sweep_eval_export
+	$(BIN)/eagle-train sweep  $(RECIPE) $(1) $(SWEEP)
+	$(BIN)/eagle-train eval   $(RECIPE) $(1)
+	$(BIN)/eagle-train export $(RECIPE) $(1)
+endef
+
 full: install
 	mkdir -p $(OUT) && (test -f $(OUT)/started || date +%s > $(OUT)/started)
 	test -f $(OUT)/target_dtype || $(BIN)/python -c 'from eagle_train.target import compute_dtype; \
@@ -134,9 +141,7 @@ full: install
 	  $(BIN)/eagle-train prep $(RECIPE) $(OWN) regen.enabled=true && \
 	  $(DUMP) $(RECIPE) $(OWN) regen.enabled=true && \
 	  $(BIN)/eagle-train train $(RECIPE) $(OWN) $(PB); else echo "make full: phase B left out (PHASE_B=$(PHASE_B))"; fi
-	$(BIN)/eagle-train sweep  $(RECIPE) $(FULL) $(HEADB) $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(FULL) $(HEADB)
-	$(BIN)/eagle-train export $(RECIPE) $(FULL) $(HEADB)
+	$(call sweep_eval_export,$(FULL) $(HEADB))
 
 # polish: a head trained further on 900 ShareGPT conversations make full never reads (3,721-4,620: 463k tokens), 636
 # steps of 4 with 3 TTT steps at lr 3e-4 (~4 epochs, 29 min + a 23-min fp32 dump on an AVX2 box); held-out on make
@@ -153,9 +158,7 @@ polish: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH)
 	$(DUMP) $(RECIPE) $(POLISH)
 	$(BIN)/eagle-train train  $(RECIPE) $(POLISH) $(POLISH_TRAIN)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(POLISH) $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH)
-	$(BIN)/eagle-train export $(RECIPE) $(POLISH)
+	$(call sweep_eval_export,$(POLISH))
 
 # polish2: the second polish, from polish's head: 1,600 steps of 4 (3 TTT steps, lr 3e-4) over the next 3,600
 # conversations (ShareGPT 4,621-8,220 in two dumps: 1.87M tokens, ~2 epochs; 33 of the first held out), 42 min +
@@ -211,9 +214,7 @@ polish5: install
 	$(DUMP) $(RECIPE) $(POLISH5)
 	$(BIN)/eagle-train train  $(RECIPE) $(POLISH5) $(POLISH5_TRAIN)
 	$(BIN)/eagle-train train  $(RECIPE) $(POLISH5_RE)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(POLISH5) eval.head=outputs/polish5/train-re/final $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH5) eval.head=outputs/polish5/train-re/final
-	$(BIN)/eagle-train export $(RECIPE) $(POLISH5) eval.head=outputs/polish5/train-re/final
+	$(call sweep_eval_export,$(POLISH5) eval.head=outputs/polish5/train-re/final)
 
 # polish6: translation. SmolLM2 answers 783 translation tasks made from Django's catalogs (data.source=django-locales:
 # German, French, Spanish, Italian, Portuguese and Dutch UI sentences, two thirds into English; ~9 min), they are
@@ -235,9 +236,7 @@ polish6: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH6)
 	$(DUMP) $(RECIPE) $(POLISH6)
 	$(BIN)/eagle-train train  $(RECIPE) $(POLISH6) $(POLISH6_TRAIN)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(POLISH6) eval.head=outputs/polish6/train/final $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH6) eval.head=outputs/polish6/train/final
-	$(BIN)/eagle-train export $(RECIPE) $(POLISH6) eval.head=outputs/polish6/train/final
+	$(call sweep_eval_export,$(POLISH6) eval.head=outputs/polish6/train/final)
 
 # polish7: more translation. SmolLM2 answers the 3,432 German and French tasks of Plone's, Wagtail's and Sphinx's
 # catalogs (data.source=web-locales, longer help texts than Django's; bf16 target, 21 min), they are dumped (9 min),
@@ -260,9 +259,7 @@ polish7: install
 	$(BIN)/eagle-train prep   $(RECIPE) $(POLISH7)
 	$(DUMP) $(RECIPE) $(POLISH7)
 	$(BIN)/eagle-train train  $(RECIPE) $(POLISH7) $(POLISH7_TRAIN)
-	$(BIN)/eagle-train sweep  $(RECIPE) $(POLISH7) eval.head=outputs/polish7/train/final $(SWEEP)
-	$(BIN)/eagle-train eval   $(RECIPE) $(POLISH7) eval.head=outputs/polish7/train/final
-	$(BIN)/eagle-train export $(RECIPE) $(POLISH7) eval.head=outputs/polish7/train/final
+	$(call sweep_eval_export,$(POLISH7) eval.head=outputs/polish7/train/final)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
