@@ -13,6 +13,7 @@ A gettext catalog (`.po`) is read as translation tasks in the messages format: e
 becomes "Translate <language> to English: <translation>" answered by its English original, every third
 one the other way round ("Translate English to <language>: ..."). It is text in languages a chat corpus
 rarely holds, for a head whose target will be asked to translate (regenerate the answers with the target).
+A translation needs 5 words (Chinese and Japanese: 10 characters) and no markup or placeholders.
 A bad record is never fatal: `read_conversations` yields `Conversation`s and counts the others by
 reason in a `Skips`, keeping a few record ids per reason for the messages.
 """
@@ -58,6 +59,8 @@ LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "
              "zh": "Chinese", "ko": "Korean", "tr": "Turkish", "fi": "Finnish", "ro": "Romanian", "hu": "Hungarian"}
 # a catalog entry becomes a task when its translation has this many words and no markup or placeholders
 PO_MIN_WORDS = 5
+# Chinese and Japanese write no spaces between words: their translations are measured in characters
+PO_UNSPACED, PO_MIN_CHARS = ("zh", "ja"), 10
 PO_MARKUP = ("%", "{", "<", "$")
 CHUNK_CHARS = 1 << 20
 
@@ -360,6 +363,7 @@ def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     code = next((ln.split(":", 1)[1].strip() for ln in header.splitlines() if ln.lower().startswith("language:")),
                 "") or path.parent.parent.name  # locale/<code>/LC_MESSAGES/x.po
     lang = LANGUAGES.get(code.split("_")[0].lower(), code)
+    unspaced = code.split("_")[0].lower() in PO_UNSPACED
     n = 0
     for lineno, e in entries:
         english, other = e["msgid"], e.get("msgstr", "")
@@ -373,7 +377,8 @@ def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
                 continue
         if not other:
             skips.add("po_untranslated", where)
-        elif len(other.split()) < PO_MIN_WORDS or any(c in other + english for c in PO_MARKUP):
+        elif (len(other) < PO_MIN_CHARS if unspaced else len(other.split()) < PO_MIN_WORDS) or \
+                any(c in other + english for c in PO_MARKUP):
             skips.add("po_short_or_markup", where)
         else:
             to_english = n % 3 != 2

@@ -259,6 +259,18 @@ def test_gettext_catalog_becomes_translation_tasks(tmp_path):
         list(read_conversations(tmp_path))
 
 
+def test_gettext_catalog_in_chinese_counts_characters(tmp_path):
+    # no spaces between words: a sentence is kept by its length in characters, a two-word label is not
+    po = tmp_path / "zh_Hans.po"
+    po.write_text('msgid ""\nmsgstr ""\n"Language: zh_Hans\\n"\n\n'
+                  'msgid "Enter a valid email address, please."\nmsgstr "请输入一个有效的电子邮件地址。"\n\n'
+                  'msgid "Save changes"\nmsgstr "保存更改"\n', encoding="utf-8")
+    skips = Skips()
+    convs = list(read_conversations(po, skips=skips))
+    assert [c.messages[0]["content"] for c in convs] == ["Translate Chinese to English: 请输入一个有效的电子邮件地址。"]
+    assert skips.counts == {"po_short_or_markup": 1}
+
+
 def test_django_locales_alias_reads_six_languages():
     # Django's catalogs in its wheel (make install puts it in, --no-deps)
     convs = list(read_conversations("django-locales"))
