@@ -62,6 +62,7 @@ PO_MIN_WORDS = 5
 # Chinese and Japanese write no spaces between words: their translations are measured in characters
 PO_UNSPACED, PO_MIN_CHARS = ("zh", "ja"), 10
 PO_MARKUP = ("%", "{", "<", "$")
+PO_DEFAULT = "#. Default:"  # the comment holding a message id's English (Zope/Plone catalogs)
 CHUNK_CHARS = 1 << 20
 
 
@@ -322,9 +323,9 @@ def po_entries(path: Path) -> Iterator[Tuple[int, Dict[str, str]]]:
             entry, key = {}, None
             if not line:
                 continue
-        if line.startswith("#. Default:"):  # Zope/Plone: msgid is a message id, its English text is here
+        if line.startswith(PO_DEFAULT):  # Zope/Plone: msgid is a message id, its English text is here
             try:
-                entry["default"] = json.loads(line[len("#. Default:"):].strip())
+                entry["default"] = json.loads(line[len(PO_DEFAULT):].strip())
             except json.JSONDecodeError:
                 pass  # a comment: a malformed one only costs the entry its English text
             continue
@@ -362,8 +363,8 @@ def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
     header = next((e["msgstr"] for _, e in entries if e["msgid"] == ""), "")
     code = next((ln.split(":", 1)[1].strip() for ln in header.splitlines() if ln.lower().startswith("language:")),
                 "") or path.parent.parent.name  # locale/<code>/LC_MESSAGES/x.po
-    lang = LANGUAGES.get(code.split("_")[0].lower(), code)
-    unspaced = code.split("_")[0].lower() in PO_UNSPACED
+    base = code.split("_")[0].lower()  # de_DE -> de
+    lang, unspaced = LANGUAGES.get(base, code), base in PO_UNSPACED
     n = 0
     for lineno, e in entries:
         english, other = e["msgid"], e.get("msgstr", "")
