@@ -17,7 +17,7 @@ from eagle_train.dump_reader import sha256_file
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, DumpError
 from eagle_train.files import atomic_save, refuse_orphan_pieces
-from eagle_train.recipe import RecipeError
+from eagle_train.recipe import RecipeError, data_keys_set
 from eagle_train.target import compute_dtype, model_digest, target_id
 
 FORMAT = "eagle-train-dump/1"
@@ -42,12 +42,7 @@ def dump_header(cfg, model) -> dict:
                  "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
         "head": {"type": cfg.head.type, "aux_layers": aux},
     }
-    if d.skip_conversations:  # only when set: dumps made before the key keep their hash
-        settings["data"]["skip_conversations"] = d.skip_conversations
-    if d.prompt_template is not None:
-        settings["data"]["prompt_template"] = d.prompt_template
-    if d.po_direction != "mixed":  # only when set: dumps made before the key keep their hash
-        settings["data"]["po_direction"] = d.po_direction
+    settings["data"] |= data_keys_set(d, ("skip_conversations", "prompt_template", "po_direction"))
     if cfg.regen.enabled:  # the replies are the target's: what generated them is part of the features' identity
         settings["regen"] = {k: cfg.regen[k] for k in ("max_new_tokens", "temperature", "top_p", "max_turns", "seed")}
     settings = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(settings))))

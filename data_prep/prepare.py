@@ -104,10 +104,9 @@ def main(cfg) -> dict:
         source, fmt, limit, source_name = regenerated_source(cfg), "messages", None, str(cfg.regen.output)
     skips = Skips()
     rows = []
-    # regen applied the selection and the catalogs' direction
-    selection = (0, 0, None, "mixed") if cfg.regen.enabled else (d.skip_conversations, d.min_prompt_chars, None,
-                                                                 d.po_direction)
-    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, *selection),
+    selection = {} if cfg.regen.enabled else {  # regen applied them
+        "skip": d.skip_conversations, "min_prompt_chars": d.min_prompt_chars, "po_direction": d.po_direction}
+    bar = tqdm(read_conversations(source, fmt, d.split, skips, limit, **selection),
                total=limit, desc="read", unit="conv", dynamic_ncols=True)
     for conv in bar:
         rows.append({"id": conv.id, "messages": with_system_prompt(conv.messages, d.system_prompt)})

@@ -44,7 +44,7 @@ from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CorpusError
 from eagle_train.files import atomic_write_text, refuse_orphan_pieces
 from eagle_train.kv_cache import keep_rows
-from eagle_train.recipe import RecipeError
+from eagle_train.recipe import RecipeError, data_keys_set
 from eagle_train.target import compute_dtype, load_target, resolve_device, target_id
 
 FORMAT = "eagle-train-regen/1"
@@ -55,11 +55,7 @@ on_shard_written = None
 def settings_of(cfg) -> dict:
     """Everything the generated text depends on (stored in regen.json, compared on reruns)."""
     d, r = cfg.data, cfg.regen
-    # older folders lack these
-    skip = {"skip_conversations": d.skip_conversations} if d.skip_conversations else {}
-    skip |= {"min_prompt_chars": d.min_prompt_chars} if d.min_prompt_chars else {}
-    skip |= {"prompt_template": d.prompt_template} if d.prompt_template is not None else {}
-    skip |= {"po_direction": d.po_direction} if d.po_direction != "mixed" else {}
+    skip = data_keys_set(d, ("skip_conversations", "min_prompt_chars", "prompt_template", "po_direction"))
     return {**skip, "format": FORMAT, "target": target_id(cfg.target), "revision": cfg.target.revision,
             "dtype": compute_dtype(cfg.target.dtype, cfg.target.device), "source": d.source, "data_format": d.format,
             "split": d.split,

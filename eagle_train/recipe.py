@@ -10,7 +10,7 @@ those and the cross-field rules, collects every problem and raises them all at o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -113,6 +113,13 @@ class DataConfig:
     # where the tokenized `datasets` folder goes
     output: str = "${output_dir}/data"
 
+
+
+def data_keys_set(d, keys) -> dict:
+    """The `data` keys among `keys` whose value differs from DataConfig's default. Only those enter the regen
+    folder's, the dump's and the trained head's settings, so folders made before a key existed keep their hash."""
+    default = {f.name: f.default for f in fields(DataConfig)}
+    return {k: d[k] for k in keys if d[k] != default[k]}
 
 @dataclass
 class RegenConfig:

@@ -41,7 +41,7 @@ from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
 from eagle_train.head_init import init_weights, start_head, trained_head
 from eagle_train.heads import build_head, save_head
-from eagle_train.recipe import RecipeError
+from eagle_train.recipe import RecipeError, data_keys_set
 from eagle_train.target import load_target, target_weights, weights_digest
 from eagle_train.ttt import DraftLoss
 
@@ -284,8 +284,7 @@ def main(cfg, target=None, stop_after=None):
                 "data": {"source": cfg.data.source, "max_conversations": cfg.data.max_conversations,
                          "skip_conversations": cfg.data.skip_conversations,
                          "max_length": cfg.data.max_length, "loss_positions": tc.loss_positions,
-                         **({"prompt_template": cfg.data.prompt_template} if cfg.data.prompt_template else {}),
-                         **({"po_direction": cfg.data.po_direction} if cfg.data.po_direction != "mixed" else {}),
+                         **data_keys_set(cfg.data, ("prompt_template", "po_direction")),
                          # the dump it read (offline): export attaches data.output's stats only when they are its own
                          "dump": ({"folder": str(ds.folder), "num_tokens": ds.manifest.get("num_tokens")}
                                   if tc.mode == "offline" else None),
