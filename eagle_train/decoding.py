@@ -9,6 +9,7 @@ One step, as small functions over explicit state:
                    target's sampling distribution and the rejection rule)
     commit_cache   keep only the accepted path in the target's KV cache (no re-prefill; eagle_train.kv_cache)
     head_update    re-run the head on the accepted path with the target's true features
+    graft          (lookup_tokens > 0) prompt lookup's draft joins the tree as one more branch below the root
 
 Conventions (SGLang names in brackets):
     depth             draft steps = depth of the deepest drafted token  [--speculative-num-steps]
@@ -62,6 +63,11 @@ class SpecConfig:
     max_new_tokens: int = 256
     # verify and draft through oneDNN's prepacked fp32 linears (`packed_linears`): auto = float32 on a CPU
     packed_verify: str = "auto"
+    # copy branch: up to this many tokens that followed the latest earlier occurrence of the context's last
+    # n-gram (n from lookup_ngram down to lookup_min_ngram) join the head's tree below the root (0: off)
+    lookup_tokens: int = 0
+    lookup_ngram: int = 3
+    lookup_min_ngram: int = 2
 
     @classmethod
     def from_eval(cls, ecfg, temperature: float = 0.0, **over) -> "SpecConfig":
@@ -69,7 +75,9 @@ class SpecConfig:
         kw = dict(tree=ecfg.tree, topk=ecfg.topk, depth=ecfg.depth, num_draft_tokens=ecfg.num_draft_tokens,
                   static_tree=[list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
                   temperature=float(temperature), top_p=ecfg.top_p, top_k=ecfg.top_k,
-                  max_new_tokens=ecfg.max_new_tokens, packed_verify=getattr(ecfg, "packed_verify", "auto"))
+                  max_new_tokens=ecfg.max_new_tokens, packed_verify=getattr(ecfg, "packed_verify", "auto"),
+                  lookup_tokens=getattr(ecfg, "lookup_tokens", 0), lookup_ngram=getattr(ecfg, "lookup_ngram", 3),
+                  lookup_min_ngram=getattr(ecfg, "lookup_min_ngram", 2))
         kw.update(over)
         return cls(**kw)
 
@@ -243,6 +251,36 @@ def rerank(cands: List[dict], root: int, n_keep: int) -> Tree:
     return out
 
 
+def lookup_draft(context: List[int], cfg: SpecConfig) -> List[int]:
+    """Prompt lookup's draft: the (at most lookup_tokens) tokens that followed the latest earlier occurrence of the
+    context's last n tokens, for the longest n from lookup_ngram down to lookup_min_ngram that occurs; [] if none."""
+    L = len(context)
+    for n in range(min(cfg.lookup_ngram, L - 1), max(1, cfg.lookup_min_ngram) - 1, -1):
+        tail = context[L - n:]
+        for i in range(L - n - 1, -1, -1):  # latest first: the nearest copy source is the likeliest
+            if context[i] == tail[0] and context[i:i + n] == tail:
+                return context[i + n:i + n + cfg.lookup_tokens]
+    return []
+
+
+def graft(tree: Tree, chain: List[int]) -> List[int]:
+    """Put `chain` below the root: follow the nodes it matches, append the rest as new nodes (deterministic, qs None:
+    greedy and the rejection rule stay exact for any set of distinct deterministic siblings). Why: the head cannot
+    draft a token outside its draft vocabulary or copy a name from the prompt well (bench/RESULTS.md "## Why
+    summarization trails"); prompt lookup can. Returns the indices of the added nodes."""
+    kids = tree.children()
+    node, added = 0, []
+    for t in chain:
+        nxt = None if added else next((c for c in kids[node] if tree.tokens[c] == t), None)
+        if nxt is None:
+            tree.tokens.append(t), tree.parents.append(node), tree.depths.append(tree.depths[node] + 1)
+            tree.qs.append(None)
+            nxt = len(tree.tokens) - 1
+            added.append(nxt)
+        node = nxt
+    return added
+
+
 # ---------------------------------------------------------------------------------------------
 # verification and acceptance
 
@@ -391,7 +429,7 @@ def check_supported(model, input_ids: torch.Tensor, cfg: SpecConfig) -> None:
         raise ValueError(f"target attn_implementation = {impl!r} ignores the tree attention mask; load the target "
                          f"with one of {', '.join(ATTENTION_OK)} (target.attn_implementation=sdpa)")
     window = sliding_window(model.config)
-    need = input_ids.shape[-1] + cfg.max_new_tokens + max_tree_nodes(cfg) + 1
+    need = input_ids.shape[-1] + cfg.max_new_tokens + max_tree_nodes(cfg) + cfg.lookup_tokens + 1
     if window is not None and need > window:
         raise ValueError(f"the target uses sliding-window attention (window {window}) and this generation can reach "
                          f"{need} positions; tree verification assumes full attention and is not supported past "
@@ -412,7 +450,8 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     """Generate up to cfg.max_new_tokens after input_ids (1, L). Returns (new token ids, stats) with
     stats = {accept_lengths: tokens kept from each target pass minus 1 (accepted drafted tokens;
     a pass cut by EOS or the budget counts only what it kept), passes, tree_sizes, t_draft (head:
-    drafting and updating on the accepted path), t_verify (target tree pass, acceptance, cache)}."""
+    drafting and updating on the accepted path), t_verify (target tree pass, acceptance, cache), lookup_accepted
+    (accepted tokens drafted only by the copy branch, cfg.lookup_tokens)}."""
     check_supported(model, input_ids, cfg)
     dev = model.device
     greedy = cfg.temperature == 0
@@ -426,9 +465,11 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
     root = (int(logits[-1].argmax()) if greedy
             else sample(target_probs(logits[-1], cfg.temperature, cfg.top_p, cfg.top_k), generator))
     tokens, done = _finish([root], cfg.max_new_tokens, eos_token_id)
-    stats = {"accept_lengths": [], "passes": 0, "tree_sizes": [], "t_draft": 0.0, "t_verify": 0.0}
+    stats = {"accept_lengths": [], "passes": 0, "tree_sizes": [], "t_draft": 0.0, "t_verify": 0.0,
+             "lookup_accepted": 0}
     if done:
         return tokens, stats
+    context = ids[0].tolist() + tokens  # what prompt lookup copies from (cfg.lookup_tokens)
     C = ids.shape[1]
     t0 = _clock()
     # the head's linears through packs too: a drafting step computes 1-8 rows (41% less drafting time in fp32);
@@ -437,6 +478,7 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
         last_out, last_logp, hkv = head_update(head, None, 0, ids[0, 1:].tolist() + [root], feats)
         while True:
             tree = draft_tree(head, hkv, C, root, last_out, last_logp, cfg)
+            copied = set(graft(tree, lookup_draft(context, cfg))) if cfg.lookup_tokens else set()
             t1 = _clock()
             logits, feats = verify(model, cache, tree, C, aux)  # the packs are in already
             if greedy:
@@ -450,7 +492,9 @@ def speculative_generate(model, head, input_ids: torch.Tensor, cfg: SpecConfig,
             stats["passes"] += 1
             stats["accept_lengths"].append(len(new) - 1)
             stats["tree_sizes"].append(len(tree.tokens) - 1)
+            stats["lookup_accepted"] += len(copied.intersection(path[1:len(new)]))
             tokens += new
+            context += new
             if done:
                 stats["t_draft"] += t1 - t0
                 stats["t_verify"] += _clock() - t1

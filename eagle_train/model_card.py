@@ -108,14 +108,19 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
                   "then `eagle-train export recipe.yaml` again to fill this table.", ""]
     else:
         s = report.get("settings") or {}
+        copy = any(r.get("copy_branch") for r in report["results"])
         lines += [f"Measured on: {report.get('machine', 'unknown machine')}"
                   + (f", {report['date']}" if report.get("date") else "") + ".",
                   f"Draft tree: {s.get('tree', '?')}, topk {s.get('topk', '?')}, depth {s.get('depth', '?')}, "
                   f"{s.get('num_draft_tokens', '?')} draft tokens, {s.get('max_new_tokens', '?')} new tokens. "
-                  "τ = mean tokens accepted per target forward pass, bonus token included.", "",
+                  "τ = mean tokens accepted per target forward pass, bonus token included: the head alone, as "
+                  "vLLM and SGLang draft."
+                  + (f" The last column: eagle-train's own decoder with its copy branch (up to {s.get('lookup_tokens')}"
+                     " tokens prompt lookup proposes join each tree, `eval.lookup_tokens`), which the engines do not "
+                     "run." if copy else ""), "",
                   "| benchmark | temperature | τ | speedup | tok/s spec | tok/s vanilla | prompts | "
-                  "prompt lookup τ / speedup |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "prompt lookup τ / speedup |" + (" with the copy branch τ / speedup |" if copy else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if copy else "")]
         for r in report["results"]:
             pls = list((r.get("baselines") or {}).values())
             pl = max(pls, key=lambda b: b["speedup"]) if pls else None
@@ -123,7 +128,9 @@ def eval_section(report: dict | None, sweep: dict | None) -> list:
                          f"{_fmt(r.get('speedup'))}{'x' if r.get('speedup') is not None else ''} | "
                          f"{_fmt(r.get('tokens_per_s_spec'), 1)} | {_fmt(r.get('tokens_per_s_vanilla'), 1)} | "
                          f"{_fmt(r.get('n_prompts'))} | "
-                         + (f"{pl['tau']:.2f} / {pl['speedup']:.2f}x |" if pl else "- |"))
+                         + (f"{pl['tau']:.2f} / {pl['speedup']:.2f}x |" if pl else "- |")
+                         + (f" {r['copy_branch']['tau']:.2f} / {r['copy_branch']['speedup']:.2f}x |"
+                            if r.get("copy_branch") else " - |" if copy else ""))
         lines.append("")
     if sweep and sweep.get("results"):
         b = sweep.get("best") or {}

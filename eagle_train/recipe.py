@@ -356,6 +356,14 @@ class EvalConfig:
     num_draft_tokens: int = spec(8, check="> 0")
     # static tree as paths of child ranks, e.g. [[0], [1], [0, 0]]
     static_tree: Optional[List[List[int]]] = None
+    # copy branch (eagle-train's decoder only; vLLM and SGLang draft with the head alone): up to this many tokens
+    # prompt lookup proposes (those that followed the latest earlier occurrence of the context's last n-gram, n from
+    # lookup_ngram down to lookup_min_ngram) join the head's tree as one more branch; 0: off. When on, the eval
+    # reports the head alone and the head with the branch side by side (method `head_copy`); the sweep and the
+    # serving commands stay the head's alone
+    lookup_tokens: int = spec(0, check=">= 0")
+    lookup_ngram: int = spec(3, check="> 0")
+    lookup_min_ngram: int = spec(2, check="> 0")
     # sweep grid; the sweep reports tau and speedup for each combination
     sweep_topk: List[int] = spec(factory=lambda: [1, 2, 4], check="> 0")
     sweep_depth: List[int] = spec(factory=lambda: [2, 3, 4, 6], check="> 0")

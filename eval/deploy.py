@@ -219,7 +219,7 @@ def main(cfg) -> Path:
     load = load_at_start()  # before loading: our own work is not in it yet
     model, tok, head, tid = setup(cfg, load)
     prompts = [render(tok, [{"role": "user", "content": t}])[0] for t in texts]
-    scfg = SpecConfig.from_eval(ecfg, 0.0)
+    scfg = SpecConfig.from_eval(ecfg, 0.0, lookup_tokens=0)  # serving advice: the head alone, as the engines draft
     rows = measure(model, head, prompts, list(ecfg.batch_sizes), scfg, tok.eos_token_id, progress=True)
     load["end"] = load_average()
     rep = build_report(rows, model, scfg, len(prompts), load, target=tid, head=str(ecfg.head), machine=machine())

@@ -17,6 +17,7 @@ from eagle_train.files import atomic_path, atomic_write_text  # noqa: E402
 from eagle_train.model_card import sglang_tree_flags  # noqa: E402
 
 PLOTS = ("accept_hist.png", "tau_by_category.png", "accept_by_depth.png")
+COPY_PLOT = "copy_branch.png"  # written when eval.lookup_tokens > 0
 
 
 def _atomic_fig(fig, path: Path) -> None:
@@ -54,6 +55,9 @@ def report_markdown(rep: dict) -> str:
              f"- tree: {s['tree']} (topk {s['topk']}, depth {s['depth']}, num_draft_tokens {s['num_draft_tokens']}"
              f" root excluded), max_new_tokens {s['max_new_tokens']}, top_p {s.get('top_p')}, "
              f"top_k {s.get('top_k', 0)}",
+             *([f"- copy branch (the row \"head + copy branch\"): up to {s['lookup_tokens']} prompt-lookup tokens "
+                f"(n-grams of {s['lookup_min_ngram']}-{s['lookup_ngram']}) join each tree in eagle-train's decoder; "
+                "vLLM and SGLang draft with the head alone (the row \"EAGLE head\")"] if s.get("lookup_tokens") else []),
              *([] if rep.get("complete", True) else ["- **incomplete**: the run stopped or is still going; the "
                                                       "benchmarks below are finished"]),
              "",
@@ -73,6 +77,10 @@ def report_markdown(rep: dict) -> str:
                          f"{_ci(b.get('speedup_ci'))} | {b['tokens_per_s']:.1f} | {b.get('greedy_mismatches', '-')} |")
         lines.append(f"{head} **EAGLE head** | **{r['tau']:.2f}**{_ci(r.get('tau_ci'))} | **{r['speedup']:.2f}x**"
                      f"{_ci(r.get('speedup_ci'))} | {r['tokens_per_s_spec']:.1f} | {r.get('greedy_mismatches', '-')} |")
+        if r.get("copy_branch"):
+            c = r["copy_branch"]
+            lines.append(f"{head} EAGLE head + copy branch | {c['tau']:.2f}{_ci(c.get('tau_ci'))} | {c['speedup']:.2f}x"
+                         f"{_ci(c.get('speedup_ci'))} | {c['tokens_per_s']:.1f} | {c.get('greedy_mismatches', '-')} |")
     lines += ["", "## Does the head beat prompt lookup?", ""]
     lines += [f"- {_label(r)}: {r['verdict']}" for r in rep["results"] if r.get("verdict")]
     for r in rep["results"]:
@@ -83,6 +91,9 @@ def report_markdown(rep: dict) -> str:
                   + ", ".join(f"{d}: {_fmt(a)}" for d, a in enumerate(r["accept_by_depth"], start=1)),
                   "", "accepted drafted tokens per pass (histogram, index = count): "
                   + ", ".join(f"{i}: {n}" for i, n in enumerate(r["accept_hist"]))]
+        if r.get("copy_branch"):
+            lines += ["", "with the copy branch, accepted drafted tokens only it proposed: "
+                      f"{100 * r['copy_branch']['lookup_share']:.0f}%"]
         if r.get("tau_by_turn"):
             lines += ["", "tau by turn: " + ", ".join(f"turn {t}: {v:.2f}" for t, v in r["tau_by_turn"].items())]
         if r.get("tau_by_position"):
@@ -97,7 +108,9 @@ def report_markdown(rep: dict) -> str:
         if "greedy_mismatches" in r:
             lines += ["", mismatch_line(r, rep.get("target_dtype", "float32"))]
     lines += ["", "Per-prompt records (tokens, seconds, passes, accepted lengths per method) are in report.json.",
-              "", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
+              "", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS
+                                         + ((COPY_PLOT,) if any(r.get("copy_branch") for r in rep["results"]) else ())),
+              ""]
     return "\n".join(lines)
 
 
@@ -141,6 +154,16 @@ def plot_report(rep: dict, out: Path) -> None:
     ax.set_ylim(0, 1.05)
     _save_plot(fig, ax, "draft depth", "acceptance rate (given the parent was accepted)", "Acceptance by depth",
                out / "accept_by_depth.png")
+
+
+    if any(r.get("copy_branch") for r in results):  # eval.lookup_tokens: what the copy branch adds, per benchmark
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = range(len(results))
+        ax.bar([x - 0.2 for x in xs], [r["tau"] for r in results], width=0.4, label="EAGLE head (as the engines)")
+        ax.bar([x + 0.2 for x in xs], [(r.get("copy_branch") or {}).get("tau", 0.0) for r in results], width=0.4,
+               label="head + copy branch")
+        ax.set_xticks(list(xs), [_label(r) for r in results], rotation=30, ha="right")
+        _save_plot(fig, ax, "benchmark", "tau (tokens per target pass)", "The copy branch", out / COPY_PLOT)
 
 
 def _save_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:

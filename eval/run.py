@@ -12,14 +12,15 @@ the method's own earlier answers.
 
 Per prompt the methods run back to back in a rotating order (so drift of a shared machine hits
 them alike): the baseline (`generate`, plain argmax at T=0, one loop at every temperature), the
-head, and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`, all three through the
-same linear layers (`eval.packed_verify`: the packs speed up plain decoding too). Writes report.json /
+head, the head with eagle-train's copy branch when `eval.lookup_tokens` > 0 (prompt lookup's draft joins its
+tree), and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`, all through the same linear layers (`eval.packed_verify`: the packs speed up plain decoding too). Writes report.json /
 report.md / PNGs under eval.output after every benchmark and temperature; the summaries are in
 eagle_train.eval.summary, the tree-setting sweep (sweep.json / sweep.md) in eagle_train.eval.sweep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -156,8 +157,10 @@ def max_depth(cfg: SpecConfig) -> int:
 # one prompt, every method
 
 
-def method_names(pl_sizes) -> List[str]:
-    return ["baseline", "head"] + [f"prompt_lookup_{n}" for n in pl_sizes]
+def method_names(pl_sizes, copy_branch: bool = False) -> List[str]:
+    """`head` is the head alone (what vLLM and SGLang serve); `head_copy` the head with eagle-train's copy branch
+    (eval.lookup_tokens > 0); `prompt_lookup_<n>` transformers' n-gram drafter."""
+    return ["baseline", "head"] + (["head_copy"] if copy_branch else []) + [f"prompt_lookup_{n}" for n in pl_sizes]
 
 
 def run_method(name, model, head, ids, scfg: SpecConfig, eos, seed: int) -> dict:
@@ -166,11 +169,14 @@ def run_method(name, model, head, ids, scfg: SpecConfig, eos, seed: int) -> dict
         toks, t = timed(vanilla_generate, model, ids, scfg.max_new_tokens, scfg.temperature, scfg.top_p,
                         eos_token_id=eos, top_k=scfg.top_k, seed=seed, packed_verify=scfg.packed_verify)
         return {"tokens": toks, "seconds": t}
-    if name == "head":
+    if name in ("head", "head_copy"):
+        if name == "head":  # the head alone, as the engines draft
+            scfg = dataclasses.replace(scfg, lookup_tokens=0)
         gen = torch.Generator(device=model.device).manual_seed(seed)
         (toks, st), t = timed(speculative_generate, model, head, ids, scfg, eos_token_id=eos, generator=gen)
         return {"tokens": toks, "seconds": t, "passes": st["passes"], "accept_lengths": st["accept_lengths"],
-                "t_draft": st["t_draft"], "t_verify": st["t_verify"]}
+                "t_draft": st["t_draft"], "t_verify": st["t_verify"],
+                **({"lookup_accepted": st["lookup_accepted"]} if name == "head_copy" else {})}
     n = int(name.rsplit("_", 1)[1])
     (toks, passes), t = timed(prompt_lookup_generate, model, ids, scfg.max_new_tokens, n, scfg.temperature,
                               scfg.top_p, eos_token_id=eos, top_k=scfg.top_k, seed=seed,
@@ -341,7 +347,7 @@ def setup(cfg, load: dict | None = None):
     head = head.to(device=model.device, dtype=model.dtype).eval()  # as engines run it; bf16: 1.5x cheaper drafting here
     ids = render(tok, [{"role": "user", "content": "hi"}])
     warm = SpecConfig.from_eval(cfg.eval, 0.0, max_new_tokens=4)
-    for name in method_names(cfg.eval.prompt_lookup_num_tokens):  # first calls pay one-off costs: not timed
+    for name in method_names(cfg.eval.prompt_lookup_num_tokens, cfg.eval.lookup_tokens > 0):  # one-off costs: untimed
         run_method(name, model, head, ids, warm, tok.eos_token_id, 0)
     return model, tok, head, target_id(cfg.target)
 
@@ -352,6 +358,9 @@ def check_eval_section(ecfg) -> None:
         problems.append(f"`eval.top_k` = {ecfg.top_k} must be >= 0 (0: off)")
     if any(n <= 0 for n in ecfg.prompt_lookup_num_tokens):
         problems.append(f"`eval.prompt_lookup_num_tokens` = {list(ecfg.prompt_lookup_num_tokens)} must be > 0")
+    if ecfg.lookup_tokens and ecfg.lookup_min_ngram > ecfg.lookup_ngram:
+        problems.append(f"`eval.lookup_min_ngram` = {ecfg.lookup_min_ngram} must be <= `eval.lookup_ngram` = "
+                        f"{ecfg.lookup_ngram}")
     if problems:
         raise RecipeError("; ".join(problems))
 
@@ -372,7 +381,7 @@ def main(cfg) -> Path:
     torch.manual_seed(ecfg.seed)
     load_start = load_at_start()  # before loading: our own work is not in it yet
     model, tok, head, tid = setup(cfg, load_start)
-    methods = method_names(ecfg.prompt_lookup_num_tokens)
+    methods = method_names(ecfg.prompt_lookup_num_tokens, ecfg.lookup_tokens > 0)
     rep = {"target": tid, "head": str(ecfg.head), "head_type": head_type(head),
            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "target_dtype": dtype_name(model),
            "threads": torch.get_num_threads(), "load_average": load_start,
@@ -380,7 +389,9 @@ def main(cfg) -> Path:
                         "num_draft_tokens": ecfg.num_draft_tokens, "max_new_tokens": ecfg.max_new_tokens,
                         "static_tree": [list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
                         "top_p": ecfg.top_p, "top_k": ecfg.top_k,
-                        "prompt_lookup_num_tokens": list(ecfg.prompt_lookup_num_tokens)},
+                        "prompt_lookup_num_tokens": list(ecfg.prompt_lookup_num_tokens),
+                        **({"lookup_tokens": ecfg.lookup_tokens, "lookup_ngram": ecfg.lookup_ngram,
+                            "lookup_min_ngram": ecfg.lookup_min_ngram} if ecfg.lookup_tokens else {})},
            "complete": False, "results": [], "records": []}
     for label, prompts in benches:
         for temp in ecfg.temperatures:
@@ -400,6 +411,10 @@ def main(cfg) -> Path:
             write_report(rep, ecfg.output)  # a later failure loses nothing finished
             print(f"[eval] {label} T={temp:g}: tau {res['tau']:.3f}, speedup {res['speedup']:.3f} "
                   f"({res['tokens_per_s_spec']:.1f} vs {res['tokens_per_s_vanilla']:.1f} tok/s); {res['verdict']}")
+            if res.get("copy_branch"):
+                c = res["copy_branch"]
+                print(f"[eval] {label} T={temp:g}, head + copy branch (eagle-train's decoder): tau {c['tau']:.3f}, "
+                      f"speedup {c['speedup']:.3f}, {100 * c['lookup_share']:.0f}% of accepted drafts copied")
     rep["complete"] = True
     if rep.get("busy"):
         print(f"[eval] warning: {rep['busy']}")

@@ -26,7 +26,7 @@ def _emitted_passes(res: dict, name: str):
     """(tokens credited to drafting passes, target passes) of one method's result. The head's
     prefill emits one token and drafts nothing: excluded. Prompt lookup's prefill already
     verifies a draft: every pass counts."""
-    if name == "head":
+    if name in ("head", "head_copy"):
         return sum(a + 1 for a in res["accept_lengths"]), res["passes"]
     return res["n"], res.get("passes", res["n"])
 
@@ -117,6 +117,12 @@ def summarize(records: List[dict], depth: int, seed: int = 0) -> dict:
            "tau_by_position": tau_by_position(records),
            "time_split": {"draft": t_draft / max(1e-9, t_all), "verify": t_verify / max(1e-9, t_all),
                           "other": max(0.0, 1 - (t_draft + t_verify) / max(1e-9, t_all))}}
+    if "head_copy" in records[0]["methods"]:  # eval.lookup_tokens: the head with the copy branch
+        cp = summarize_method(records, "head_copy", seed)
+        drafted = sum(a for r in records for a in r["methods"]["head_copy"]["accept_lengths"])
+        # the share of its accepted drafts that only the copy branch proposed
+        cp["lookup_share"] = sum(r["methods"]["head_copy"]["lookup_accepted"] for r in records) / max(1, drafted)
+        out["copy_branch"] = cp
     out["baselines"] = {m: summarize_method(records, m, seed) for m in records[0]["methods"]
                         if m.startswith("prompt_lookup_")}
     return out

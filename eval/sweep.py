@@ -1,5 +1,6 @@
 """Tree-setting sweep: tau and speedup of the head over the recipe's topk x depth x
-num_draft_tokens grid, each setting against the same baseline, per prompt back to back.
+num_draft_tokens grid, each setting against the same baseline, per prompt back to back. The head
+drafts alone (no `eval.lookup_tokens` copy branch): the settings are the engines' serving flags.
 
     eagle-train sweep recipes/smollm2-135m-eagle3.yaml eval.sweep_topk=[1,2] eval.sweep_depth=[2,3]
 

@@ -109,6 +109,11 @@ def test_random_head_rows_equal_generate_tiny(tiny):
     refs = [vanilla_generate(model, p[None], 12) for p in prompts]
     for mode in MODES.values():
         assert batched_speculative_generate(model, head, prompts, SpecConfig(max_new_tokens=12, **mode))[0] == refs
+    # the copy branch (eval.lookup_tokens) grafted per row: rows' trees of different sizes, still lossless
+    out, stats = batched_speculative_generate(model, head, prompts, SpecConfig(
+        max_new_tokens=12, lookup_tokens=4, lookup_min_ngram=1, **MODES["dynamic"]))
+    assert out == refs
+    assert len({n for r in stats["rows"] for n in r["tree_sizes"]}) > 1
 
 
 def _sampling_setup():

@@ -106,6 +106,26 @@ def test_greedy_equals_generate_eagle1_noisy_oracle(smollm2, prompts_and_refs):
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "chain"])
+def test_copy_branch_stays_lossless_and_drafts_what_the_head_cannot(smollm2, random_head, mode):
+    """eval.lookup_tokens: a reply that repeats its prompt is drafted by the copy branch (a random head drafts almost
+    nothing), token for token the same output as `generate`, more tokens a pass than the head alone."""
+    model, tok = smollm2
+    ids = chat_ids(tok, "Copy the following text word for word: The committee met on Tuesday to discuss the new "
+                        "budget proposal for the city library.")
+    ref = vanilla_generate(model, ids, 32, eos_token_id=tok.eos_token_id)
+    runs = {}
+    for n in (0, 6):
+        cfg = SpecConfig(max_new_tokens=32, lookup_tokens=n, **MODES[mode])
+        out, stats = speculative_generate(model, random_head, ids, cfg, eos_token_id=tok.eos_token_id)
+        assert out == ref
+        runs[n] = stats
+    assert runs[0]["lookup_accepted"] == 0
+    assert runs[6]["lookup_accepted"] >= 10  # the copied sentence (12 of its 16 tokens in 6-token branches)
+    assert runs[6]["passes"] < runs[0]["passes"]
+    assert max(runs[6]["accept_lengths"]) > 3  # deeper than the head's depth 3: the branch is its own length
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "chain"])
 def test_oracle_tau_is_depth_plus_one(smollm2, prompts_and_refs, mode):
     model, tok = smollm2
     ids, ref = prompts_and_refs[0]

@@ -117,7 +117,8 @@ def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch
     assert set(mt["per_category"]) == {"writing"} and set(mt["tau_by_turn"]) == {"1", "2"}
     recs = [x for x in rep["records"] if x["benchmark"] == "mt_bench" and x["temperature"] == 0]
     assert [x["turn"] for x in recs] == [0, 1]
-    assert set(recs[0]["methods"]) == {"baseline", "head", "prompt_lookup_3"}
+    # the SmolLM2 recipe's eval.lookup_tokens: the head with the copy branch runs beside the head alone
+    assert set(recs[0]["methods"]) == {"baseline", "head", "head_copy", "prompt_lookup_3"}
     for x in rep["records"]:  # tau's own accounting: tokens kept = prefill token + sum(accepted + 1)
         h = x["methods"]["head"]
         assert h["n"] == (1 + sum(a + 1 for a in h["accept_lengths"]) if h["passes"] else h["n"])
@@ -127,6 +128,34 @@ def test_eval_all_benchmarks_one_report(smollm2, head_dir, tmp_path, monkeypatch
     for name in report_mod.PLOTS:
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_copy_branch_reported_beside_the_head_alone(smollm2, head_dir, tmp_path, monkeypatch, shared_data):
+    """eval.lookup_tokens > 0: the head alone (what the engines serve) and the head with the copy branch run on the
+    same prompts, both lossless; the report and the model card show both, the card saying which the engines get."""
+    from eagle_train import model_card
+
+    monkeypatch.setattr("eagle_train.target.load_target", lambda tcfg: smollm2)
+    out = tmp_path / "eval"
+    argv = [RECIPE, f"eval.head={head_dir}", f"eval.output={out}", "eval.benchmarks=[sum]",
+            f"eval.benchmark_dir={shared_data / 'eagle_eval'}", "eval.max_prompts=1", "eval.max_new_tokens=32",
+            "eval.temperatures=[0.0]", "eval.prompt_lookup_num_tokens=[]", "eval.lookup_tokens=5"]
+    assert run_stage("eval", argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["records"][0]["methods"]) == {"baseline", "head", "head_copy"}
+    assert "lookup_accepted" not in rep["records"][0]["methods"]["head"]
+    r = rep["results"][0]
+    cp = r["copy_branch"]
+    assert r["greedy_mismatches"] == 0 and cp["greedy_mismatches"] == 0
+    assert cp["tau"] > r["tau"] and 0 < cp["lookup_share"] <= 1  # a summary copies its article's names
+    assert rep["settings"]["lookup_tokens"] == 5
+    assert "EAGLE head + copy branch" in (out / "report.md").read_text()
+    assert mpimg.imread(out / report_mod.COPY_PLOT).shape[0] > 100
+    card = "\n".join(model_card.eval_section(rep, None))
+    assert "with the copy branch τ / speedup |" in card and f"{cp['tau']:.2f} / {cp['speedup']:.2f}x |" in card
+    assert "the engines do not run" in card
+    argv[-1] = "eval.lookup_min_ngram=4"
+    assert run_stage("eval", argv + ["eval.lookup_tokens=5"]) == 2  # min above the default lookup_ngram 3
 
 
 def test_finished_benchmarks_survive_a_later_failure(smollm2, head_dir, tmp_path, monkeypatch, shared_data):

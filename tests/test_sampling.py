@@ -50,15 +50,18 @@ def exact_joint(target, temperature=TEMPERATURE, top_p=TOP_P, top_k=0):
     return joint.flatten()
 
 
-def sampled_counts(target, head, rule, seed=0, n=N, temperature=TEMPERATURE, top_p=TOP_P, top_k=0):
+def sampled_counts(target, head, rule, seed=0, n=N, temperature=TEMPERATURE, top_p=TOP_P, top_k=0, stats=None,
+                   **spec):
     cfg = SpecConfig(tree="dynamic", topk=2, depth=2, num_draft_tokens=3, temperature=temperature,
-                     top_p=top_p, top_k=top_k, max_new_tokens=3)
+                     top_p=top_p, top_k=top_k, max_new_tokens=3, **spec)
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V ** 3)
     for _ in range(n):
-        toks, _ = speculative_generate(target, head, PROMPT, cfg, generator=gen, accept_rule=rule)
+        toks, st = speculative_generate(target, head, PROMPT, cfg, generator=gen, accept_rule=rule)
         a, b, c = toks
         counts[(a * V + b) * V + c] += 1
+        if stats is not None:
+            stats.append(st)
     return counts
 
 
@@ -100,6 +103,17 @@ def test_speculative_sampling_matches_target(setup, sampler):
     joint = exact_joint(target, **kw)
     assert chi2_pvalue(sampled_counts(target, head, rejection_rule, **kw), joint) > 0.01
     assert chi2_pvalue(sampled_counts(target, head, wrong_rule, **kw), joint) < 1e-5
+
+
+def test_copy_branch_keeps_the_target_distribution(setup):
+    """eval.lookup_tokens: prompt lookup's tokens join the tree as deterministic siblings; sampled output stays
+    distributed as p, and the branch did get accepted (a vocabulary of 4 repeats its 1-grams all the time)."""
+    target, head = setup
+    joint = exact_joint(target)
+    stats = []
+    counts = sampled_counts(target, head, rejection_rule, seed=2, stats=stats, lookup_tokens=2, lookup_min_ngram=1)
+    assert chi2_pvalue(counts, joint) > 0.01
+    assert sum(s["lookup_accepted"] for s in stats) > N // 10
 
 
 def test_subtly_wrong_rule_fails(setup):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle_train.decoding import (SpecConfig, Tree, draft_tree, head_update, rerank, static_paths, target_forward,
-                                  tree_mask, verify)
+from eagle_train.decoding import (SpecConfig, Tree, draft_tree, graft, head_update, lookup_draft, rerank, static_paths,
+                                  target_forward, tree_mask, verify)
 from eagle_train.kv_cache import commit_cache
 from eagle_train.eagle3 import Eagle3Config, Eagle3Head
 
@@ -42,6 +42,33 @@ def test_tree_mask_and_positions_hand_built():
     assert torch.equal(mask[0, 0] == 0, expected)
     assert (mask[0, 0][~expected] == torch.finfo(torch.float32).min).all()
     assert pos.tolist() == [[3, 4, 4, 5, 5, 5, 6]]
+
+
+def test_lookup_draft_copies_after_the_latest_longest_match():
+    cfg = SpecConfig(lookup_tokens=3, lookup_ngram=3, lookup_min_ngram=2)
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12
+    ctx = [5, 6, 7, 1, 5, 6, 8, 2, 9, 6, 7, 5, 6]
+    assert lookup_draft(ctx, cfg) == [8, 2, 9]  # "5 6" last seen at 4 (no earlier "x 5 6" of 3 tokens matches "7 5 6")
+    assert lookup_draft(ctx + [7], cfg) == [1, 5, 6]  # the 3-gram "5 6 7" (at 0) beats the later 2-gram "6 7" (at 9)
+    assert lookup_draft(ctx + [3], cfg) == []  # "6 3" never occurred, and 1-grams are below lookup_min_ngram
+    one = SpecConfig(lookup_tokens=2, lookup_ngram=3, lookup_min_ngram=1)
+    assert lookup_draft([4, 1, 2, 4, 9, 4], one) == [9, 4]  # the latest "4", not the first
+    assert lookup_draft([4, 1, 2, 4, 9, 4], cfg) == []
+    assert lookup_draft([4], one) == []  # nothing earlier to copy from
+
+
+def test_graft_follows_matching_nodes_and_appends_the_rest():
+    tree = Tree([7], [-1], [0], [None])
+    for tok, par in [(1, 0), (2, 0), (3, 1), (4, 1)]:  # root 7 -> {1 -> {3, 4}, 2}
+        tree.tokens.append(tok), tree.parents.append(par), tree.depths.append(tree.depths[par] + 1)
+        tree.qs.append(None)
+    assert graft(tree, [1, 4]) == []  # already drafted: no node to add, the pass costs nothing more
+    added = graft(tree, [1, 3, 8, 9])  # shares root -> 1 -> 3, then leaves the head's tree
+    assert added == [5, 6] and tree.tokens[5:] == [8, 9]
+    assert tree.parents[5:] == [3, 5] and tree.depths[5:] == [3, 4] and tree.qs[5:] == [None, None]
+    assert graft(tree, [2, 2]) == [7] and tree.parents[7] == 2  # a second 2 below the head's 2
+    added = graft(tree, [6])  # a new sibling of the head's depth-1 nodes
+    assert tree.parents[added[0]] == 0 and all(p < i for i, p in enumerate(tree.parents) if i)
 
 
 def test_static_paths_and_rerank_keep_ancestors():
