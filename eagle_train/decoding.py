@@ -252,14 +252,20 @@ def rerank(cands: List[dict], root: int, n_keep: int) -> Tree:
 
 
 def lookup_draft(context: List[int], cfg: SpecConfig) -> List[int]:
-    """Prompt lookup's draft: the (at most lookup_tokens) tokens that followed the latest earlier occurrence of the
-    context's last n tokens, for the longest n from lookup_ngram down to lookup_min_ngram that occurs; [] if none."""
+    """Prompt lookup's draft: the lookup_tokens tokens that followed the latest earlier occurrence of the context's
+    last n tokens, for the longest n from lookup_ngram down to lookup_min_ngram that occurs; [] if none. A copy that
+    reaches the context's end goes on from its own start, as text repeating with that period would: a loop shorter
+    than lookup_tokens (SmolLM2-135M writes them) still gets a full draft."""
     L = len(context)
     for n in range(min(cfg.lookup_ngram, L - 1), max(1, cfg.lookup_min_ngram) - 1, -1):
         tail = context[L - n:]
         for i in range(L - n - 1, -1, -1):  # latest first: the nearest copy source is the likeliest
             if context[i] == tail[0] and context[i:i + n] == tail:
-                return context[i + n:i + n + cfg.lookup_tokens]
+                draft = context[i + n:i + n + cfg.lookup_tokens]
+                period = L - n - i
+                while len(draft) < cfg.lookup_tokens:
+                    draft.append(draft[len(draft) - period])
+                return draft
     return []
 
 

@@ -55,6 +55,9 @@ def test_lookup_draft_copies_after_the_latest_longest_match():
     assert lookup_draft([4, 1, 2, 4, 9, 4], one) == [9, 4]  # the latest "4", not the first
     assert lookup_draft([4, 1, 2, 4, 9, 4], cfg) == []
     assert lookup_draft([4], one) == []  # nothing earlier to copy from
+    # a copy that runs into the end of the context repeats its period: "1 2" loops, "3 1 2" loops
+    assert lookup_draft([1, 2, 1, 2], SpecConfig(lookup_tokens=5, lookup_ngram=2)) == [1, 2, 1, 2, 1]
+    assert lookup_draft([9, 3, 1, 2, 3, 1, 2], SpecConfig(lookup_tokens=5, lookup_ngram=2)) == [3, 1, 2, 3, 1]
 
 
 def test_graft_follows_matching_nodes_and_appends_the_rest():
