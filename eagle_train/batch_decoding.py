@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from eagle_train.acceptance import AcceptRule, accept_greedy, accept_sample, rejection_rule, sample, target_probs
-from eagle_train.decoding import (SpecConfig, Tree, _clock, _finish, check_supported, graft, head_aux_layers, head_dtype,
-                                  linears_from, lookup_draft, masked_gqa, packed_linears,
+from eagle_train.decoding import (SpecConfig, Tree, _clock, _finish, check_supported, graft, head_aux_layers,
+                                  head_dtype, linears_from, lookup_draft, masked_gqa, packed_linears,
                                   rerank, speculative_generate, static_paths, to_target_ids)
 from eagle_train.kv_cache import compact, compact_cache, compact_index
 
@@ -259,6 +259,7 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
         roots.append(root)
         alive.append(not done)
     rows = [b for b in range(B) if alive[b]]  # original row of each batch row
+    prompt_ids = [p.tolist() for p in prompts] if cfg.lookup_tokens else None  # what the copy branch reads
     if not rows:
         return tokens, stats
     # the head's linears through packs as in speculative_generate: each drafting pass computes B x 1-8 rows
@@ -279,7 +280,7 @@ def batched_speculative_generate(model, head, prompts: Sequence[torch.Tensor], c
             trees = draft_trees(head, hkv, lens, roots, last_out, last_logp, cfg)
             if cfg.lookup_tokens:  # the copy branch, per row from its own prompt and tokens (decoding.graft)
                 for j, b in enumerate(rows):
-                    graft(trees[j], lookup_draft(prompts[b].tolist() + tokens[b], cfg))
+                    graft(trees[j], lookup_draft(prompt_ids[b] + tokens[b], cfg))
             t1 = _clock()
             P = cache.get_seq_length()
             logits, feats = verify_trees(model, cache, trees, lens, aux, packs)

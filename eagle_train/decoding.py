@@ -50,6 +50,10 @@ from eagle_train.features import aux_features
 from eagle_train.kv_cache import commit_cache
 
 
+# the copy branch's settings, named alike in SpecConfig and the recipe's eval section
+LOOKUP_KEYS = ("lookup_tokens", "lookup_ngram", "lookup_min_ngram")
+
+
 @dataclass
 class SpecConfig:
     tree: str = "dynamic"  # dynamic (EAGLE-2), chain, static
@@ -75,9 +79,8 @@ class SpecConfig:
         kw = dict(tree=ecfg.tree, topk=ecfg.topk, depth=ecfg.depth, num_draft_tokens=ecfg.num_draft_tokens,
                   static_tree=[list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
                   temperature=float(temperature), top_p=ecfg.top_p, top_k=ecfg.top_k,
-                  max_new_tokens=ecfg.max_new_tokens, packed_verify=getattr(ecfg, "packed_verify", "auto"),
-                  lookup_tokens=getattr(ecfg, "lookup_tokens", 0), lookup_ngram=getattr(ecfg, "lookup_ngram", 3),
-                  lookup_min_ngram=getattr(ecfg, "lookup_min_ngram", 2))
+                  max_new_tokens=ecfg.max_new_tokens, packed_verify=getattr(ecfg, "packed_verify", "auto"))
+        kw.update({k: getattr(ecfg, k) for k in LOOKUP_KEYS if hasattr(ecfg, k)})  # else SpecConfig's defaults
         kw.update(over)
         return cls(**kw)
 

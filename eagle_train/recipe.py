@@ -114,12 +114,12 @@ class DataConfig:
     output: str = "${output_dir}/data"
 
 
-
 def data_keys_set(d, keys) -> dict:
     """The `data` keys among `keys` whose value differs from DataConfig's default. Only those enter the regen
     folder's, the dump's and the trained head's settings, so folders made before a key existed keep their hash."""
     default = {f.name: f.default for f in fields(DataConfig)}
     return {k: d[k] for k in keys if d[k] != default[k]}
+
 
 @dataclass
 class RegenConfig:

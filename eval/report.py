@@ -57,7 +57,8 @@ def report_markdown(rep: dict) -> str:
              f"top_k {s.get('top_k', 0)}",
              *([f"- copy branch (the row \"head + copy branch\"): up to {s['lookup_tokens']} prompt-lookup tokens "
                 f"(n-grams of {s['lookup_min_ngram']}-{s['lookup_ngram']}) join each tree in eagle-train's decoder; "
-                "vLLM and SGLang draft with the head alone (the row \"EAGLE head\")"] if s.get("lookup_tokens") else []),
+                "vLLM and SGLang draft with the head alone (the row \"EAGLE head\")"]
+               if s.get("lookup_tokens") else []),
              *([] if rep.get("complete", True) else ["- **incomplete**: the run stopped or is still going; the "
                                                       "benchmarks below are finished"]),
              "",
@@ -154,7 +155,6 @@ def plot_report(rep: dict, out: Path) -> None:
     ax.set_ylim(0, 1.05)
     _save_plot(fig, ax, "draft depth", "acceptance rate (given the parent was accepted)", "Acceptance by depth",
                out / "accept_by_depth.png")
-
 
     if any(r.get("copy_branch") for r in results):  # eval.lookup_tokens: what the copy branch adds, per benchmark
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -13,7 +13,8 @@ the method's own earlier answers.
 Per prompt the methods run back to back in a rotating order (so drift of a shared machine hits
 them alike): the baseline (`generate`, plain argmax at T=0, one loop at every temperature), the
 head, the head with eagle-train's copy branch when `eval.lookup_tokens` > 0 (prompt lookup's draft joins its
-tree), and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`, all through the same linear layers (`eval.packed_verify`: the packs speed up plain decoding too). Writes report.json /
+tree), and transformers' prompt lookup for each `eval.prompt_lookup_num_tokens`, all through the same linear
+layers (`eval.packed_verify`: the packs speed up plain decoding too). Writes report.json /
 report.md / PNGs under eval.output after every benchmark and temperature; the summaries are in
 eagle_train.eval.summary, the tree-setting sweep (sweep.json / sweep.md) in eagle_train.eval.sweep.
 """
@@ -37,7 +38,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from eagle_train.baselines import prompt_lookup_generate, timed, vanilla_generate
-from eagle_train.decoding import SpecConfig, speculative_generate, static_paths
+from eagle_train.decoding import LOOKUP_KEYS, SpecConfig, speculative_generate, static_paths
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.errors import CorpusError, HeadError
 from eagle_train.heads import head_type
@@ -390,8 +391,7 @@ def main(cfg) -> Path:
                         "static_tree": [list(p) for p in ecfg.static_tree] if ecfg.static_tree else None,
                         "top_p": ecfg.top_p, "top_k": ecfg.top_k,
                         "prompt_lookup_num_tokens": list(ecfg.prompt_lookup_num_tokens),
-                        **({"lookup_tokens": ecfg.lookup_tokens, "lookup_ngram": ecfg.lookup_ngram,
-                            "lookup_min_ngram": ecfg.lookup_min_ngram} if ecfg.lookup_tokens else {})},
+                        **({k: ecfg[k] for k in LOOKUP_KEYS} if ecfg.lookup_tokens else {})},
            "complete": False, "results": [], "records": []}
     for label, prompts in benches:
         for temp in ecfg.temperatures:
