@@ -80,7 +80,8 @@ HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; 
 # at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
 # steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run.
 # The stages after phase A took 26 min on the dev box and 28-35 on an AMD EPYC 2-core box, the copy branch's eval
-# row included (bench/RESULTS.md "## The restart recipe on an AMD EPYC box", "## `make full` on a fresh clone at ab758de"). A CPU without native bf16 runs the target in fp32 (dtype auto; the dtype is
+# row included (bench/RESULTS.md "## The restart recipe on an AMD EPYC box", "## `make full` on a fresh clone at
+# ab758de"). A CPU without native bf16 runs the target in fp32 (dtype auto; the dtype is
 # kept in $(OUT)/target_dtype), where regeneration, dumps and the eval run ~3-4x slower: there phase B (its
 # regeneration, dump and 80 steps: ~42 min against ~12) is left out (PHASE_B auto; at 96 tokens it did not pay,
 # bench/RESULTS.md "## Phase A over three corpora") and the tail takes TAIL_FP32 minutes (TAIL_FP32_B with phase B):
