@@ -44,12 +44,13 @@ demo: install
 # interruption and it goes on where it stopped (`nohup make full > full.log 2>&1 &`). Phase A: prep and dump three
 # corpora (ShareGPT 1-1,800, 1,801-2,600 and 2,921-3,720, up to 640 tokens: 0.9M + 0.43M + 0.42M tokens, 27 min),
 # 2,800 steps of 8 sequences over them (~6.6 epochs; now counted as 5,600 of 4): the first 1,900 with 1 TTT step
-# (~0.9 s each), the last 900 with 3 (~2.6 s; 63.5 min in all); phase B:
-# the target answers the first turns of ShareGPT 2,601-2,920 itself (10 shards of 32: 5 per process; 6 min), dumped
-# and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min); then a tree sweep (11 trees, 3 min),
-# the eval and the export (4-8 min): 116 min from a clean clone on a slow night (bench/RESULTS.md "## Phase A starts
-# with 1 TTT step"). A slower box gets less, not longer: FULL_MINUTES below budgets the dumps, phase A and the tail
-# (a CPU without native bf16 dumps ~4x slower in fp32 and leaves phase B out).
+# (~0.9 s each), the last 900 with 3 (~2.6 s; 63.5 min in all); then a tree sweep (11 trees, 3 min), the eval and
+# the export (4-8 min). A slower box gets less, not longer: FULL_MINUTES below budgets the dumps, phase A and the tail.
+# Phase B (PHASE_B=yes, off by default): the target answers the first turns of ShareGPT 2,601-2,920 itself (10
+# shards of 32: 6 min), dumped, and 80 steps with 4 TTT steps on those replies from the phase-A head (5 min). It tied
+# phase A's head (six-set chain of 4 1.673 vs 1.670), and its 15 minutes given to phase A instead (the third corpus
+# and 64 min of steps) raised the sweep's chain of 4 1.69 -> 1.80 and held-out acc_0 0.531 -> 0.553 on an AMD EPYC
+# 2-core box, 117 min in all (bench/RESULTS.md "## `make full` without phase B").
 # The shipped head (heads/) is this recipe's head.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
@@ -76,26 +77,30 @@ PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/fi
       train.save_every=20
 HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; else echo $(OUT)/train/final; fi)
 # make full keeps to FULL_MINUTES (empty: no limit, every recipe step): when phase A first starts, it gets what is
-# left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it,
-# at least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its
-# steps and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run.
-# The stages after phase A took 26 min on the dev box and 28-35 on an AMD EPYC 2-core box, the copy branch's eval
-# row included (bench/RESULTS.md "## The restart recipe on an AMD EPYC box", "## `make full` on a fresh clone at
-# ab758de"). A CPU without native bf16 runs the target in fp32 (dtype auto; the dtype is
-# kept in $(OUT)/target_dtype), where regeneration, dumps and the eval run ~3-4x slower: there phase B (its
-# regeneration, dump and 80 steps: ~42 min against ~12) is left out (PHASE_B auto; at 96 tokens it did not pay,
-# bench/RESULTS.md "## Phase A over three corpora") and the tail takes TAIL_FP32 minutes (TAIL_FP32_B with phase B):
-# measured 23.5 min there with packed verification, the whole make full 95 min under TAIL_FP32=45 and 101 min under
-# 35, tail 23 min (bench/RESULTS.md "## make full on a CPU without native bf16", "## make full with TAIL_FP32=35")
+# left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it, at
+# least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its steps
+# and, where they would not fit, trains fewer of them: a slower machine gets fewer steps, not a longer run. The
+# stages after phase A, phase B included, took 26 min on the dev box and 28-35 on an AMD EPYC 2-core box
+# (bench/RESULTS.md "## The restart recipe on an AMD EPYC box", "## `make full` on a fresh clone at ab758de");
+# without it 13 min there, the copy branch's eval row included ("## `make full` without phase B"). A CPU without
+# native bf16 runs the target in fp32 (dtype auto; the dtype is kept in $(OUT)/target_dtype), where regeneration,
+# dumps and the eval run ~3-4x slower. The tail (sweep, eval, export) takes TAIL_BF16 minutes on a bf16 CPU (measured
+# 13.0 and 13.4 min on the AMD box) and TAIL_FP32 on one without (measured 23.5 min with packed verification: the
+# whole make full 95 min under TAIL_FP32=45 and 101 min under 35; bench/RESULTS.md "## make full on a CPU without
+# native bf16", "## make full with TAIL_FP32=35"); with phase B (PHASE_B=yes) TAIL_BF16_B / TAIL_FP32_B (its
+# regeneration, dump and 80 steps: ~15 min in bf16, ~42 in fp32)
 FULL_MINUTES ?= 120
 TAIL_MINUTES ?= auto
+TAIL_BF16 ?= 15
+TAIL_BF16_B ?= 35
 TAIL_FP32 ?= 35
 TAIL_FP32_B ?= 75
-PHASE_B ?= auto
+PHASE_B ?= no
 FP32 = [ "$$(cat $(OUT)/target_dtype)" = float32 ]
-PHASEB = $$(if [ "$(PHASE_B)" != auto ]; then echo $(PHASE_B); elif $(FP32); then echo no; else echo yes; fi)
-TAIL = $$(if [ "$(TAIL_MINUTES)" != auto ]; then echo $(TAIL_MINUTES); elif ! $(FP32); then echo 35; \
-       elif [ $(PHASEB) = yes ]; then echo $(TAIL_FP32_B); else echo $(TAIL_FP32); fi)
+PHASEB = $(PHASE_B)
+TAIL = $$(if [ "$(TAIL_MINUTES)" != auto ]; then echo $(TAIL_MINUTES); \
+       elif [ $(PHASEB) = yes ]; then if $(FP32); then echo $(TAIL_FP32_B); else echo $(TAIL_BF16_B); fi; \
+       elif $(FP32); then echo $(TAIL_FP32); else echo $(TAIL_BF16); fi)
 # under the budget the first two corpora's dumps stop by DUMP1_SHARE / DUMP2_SHARE percent of the time before the
 # tail (dump.budget_minutes, kept in $(OUT)/dump1.minutes / dump2.minutes for a resume): never reached on a bf16 CPU
 # (14 + 7 min of 85), while a CPU dumping in fp32 (~4x slower) keeps half its time for phase A's steps
@@ -107,7 +112,8 @@ dump_budget = $(if $(FULL_MINUTES),dump.budget_minutes=$$(f=$(OUT)/$(1).minutes;
 # under the budget a slow machine skips the third corpus where its dump (~1/3 of the first two's time) would leave
 # phase A under THIRD_MINUTES: on the AMD box 1,460 steps over two corpora (47 min) beat 1,147 over three (36 min),
 # held-out acc_0 0.502 vs 0.488, six-set chain of 4 1.627 vs 1.580 (bench/RESULTS.md "## A slow box: two corpora");
-# the dev box (~55 min left) keeps all three. $(OUT)/extra keeps the choice for a resume.
+# without phase B both the dev box and the AMD box (62 min left there) keep all three. $(OUT)/extra keeps the choice
+# for a resume.
 THIRD_MINUTES ?= 45
 EXTRA2 = [$(OUT)/more/dump]
 EXTRA3 = [$(OUT)/more/dump,$(OUT)/more3/dump]
