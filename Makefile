@@ -51,7 +51,7 @@ demo: install
 # phase A's head (six-set chain of 4 1.673 vs 1.670), and its 15 minutes given to phase A instead (the third corpus
 # and 64 min of steps) raised the sweep's chain of 4 1.69 -> 1.80 and held-out acc_0 0.531 -> 0.553 on an AMD EPYC
 # 2-core box, 117 min in all (bench/RESULTS.md "## `make full` without phase B").
-# The shipped head (heads/) is this recipe's head.
+# The shipped head (heads/) started as this recipe's head (phase B on, every step) and was polished seven times.
 OUT ?= outputs/smollm2-135m-eagle3
 # the dumps and the regeneration run as two one-thread processes (gloo, each takes its share of the samples): a dump
 # makes 653 tokens/s against 561 for one two-thread process on 2 CPU cores (bench/RESULTS.md, "phase 5")
@@ -75,7 +75,7 @@ OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
       train.ttt_steps=4 train.learning_rate=3e-4 train.warmup_steps=10 train.max_steps=80 train.eval_every=40 \
       train.save_every=20
-HEADB ?= eval.head=$$(if [ $(PHASEB) = yes ]; then echo $(OUT)/train-own/final; else echo $(OUT)/train/final; fi)
+HEADB ?= eval.head=$(OUT)/$(if $(PHASE_B_ON),train-own,train)/final
 # make full keeps to FULL_MINUTES (empty: no limit, every recipe step): when phase A first starts, it gets what is
 # left of them after the stages before it (timed from $(OUT)/started), less TAIL_MINUTES for the stages after it, at
 # least 10; the figure is kept in $(OUT)/budget for a resume. Phase A's train.budget_minutes then measures its steps
@@ -97,10 +97,9 @@ TAIL_FP32 ?= 35
 TAIL_FP32_B ?= 75
 PHASE_B ?= no
 FP32 = [ "$$(cat $(OUT)/target_dtype)" = float32 ]
-PHASEB = $(PHASE_B)
+PHASE_B_ON = $(filter yes,$(PHASE_B))
 TAIL = $$(if [ "$(TAIL_MINUTES)" != auto ]; then echo $(TAIL_MINUTES); \
-       elif [ $(PHASEB) = yes ]; then if $(FP32); then echo $(TAIL_FP32_B); else echo $(TAIL_BF16_B); fi; \
-       elif $(FP32); then echo $(TAIL_FP32); else echo $(TAIL_BF16); fi)
+       elif $(FP32); then echo $(TAIL_FP32$(if $(PHASE_B_ON),_B)); else echo $(TAIL_BF16$(if $(PHASE_B_ON),_B)); fi)
 # under the budget the first two corpora's dumps stop by DUMP1_SHARE / DUMP2_SHARE percent of the time before the
 # tail (dump.budget_minutes, kept in $(OUT)/dump1.minutes / dump2.minutes for a resume): never reached on a bf16 CPU
 # (14 + 7 min of 85), while a CPU dumping in fp32 (~4x slower) keeps half its time for phase A's steps
@@ -144,7 +143,7 @@ full: install
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
 	  $(TAIL)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
-	if [ $(PHASEB) = yes ]; then $(REGEN) $(RECIPE) $(OWN) && \
+	if [ "$(PHASE_B)" = yes ]; then $(REGEN) $(RECIPE) $(OWN) && \
 	  $(BIN)/eagle-train prep $(RECIPE) $(OWN) regen.enabled=true && \
 	  $(DUMP) $(RECIPE) $(OWN) regen.enabled=true && \
 	  $(BIN)/eagle-train train $(RECIPE) $(OWN) $(PB); else echo "make full: phase B left out (PHASE_B=$(PHASE_B))"; fi
