@@ -126,6 +126,7 @@ define sweep_eval_export
 endef
 
 full: install
+	$(if $(filter-out yes no,$(PHASE_B)),$(error PHASE_B=$(PHASE_B): use yes or no))
 	mkdir -p $(OUT) && (test -f $(OUT)/started || date +%s > $(OUT)/started)
 	test -f $(OUT)/target_dtype || $(BIN)/python -c 'from eagle_train.target import compute_dtype; \
 	  print(compute_dtype("auto"))' > $(OUT)/target_dtype
