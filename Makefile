@@ -68,6 +68,7 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step").
 # Counted in batches of 4 (twice the steps, the same tokens): at equal tokens and time held-out acc_0 0.515 against
 # 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
+# Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers")
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
       train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
