@@ -145,16 +145,16 @@ full: install
 	$(if $(FULL_MINUTES),test -f $(OUT)/budget || { m=$$(( ($$(cat $(OUT)/started) + ($(FULL_MINUTES) - \
 	  $(TAIL)) * 60 - $$(date +%s)) / 60 )); echo $$(( m > 10 ? m : 10 )) > $(OUT)/budget; })
 	$(BIN)/eagle-train train  $(RECIPE) $(FULL) $(PA) $(BUDGET)
-	if [ "$(PHASE_B)" = yes ]; then $(REGEN) $(RECIPE) $(OWN) && \
+	$(if $(PHASE_B_ON),$(REGEN) $(RECIPE) $(OWN) && \
 	  $(BIN)/eagle-train prep $(RECIPE) $(OWN) regen.enabled=true && \
 	  $(DUMP) $(RECIPE) $(OWN) regen.enabled=true && \
-	  $(BIN)/eagle-train train $(RECIPE) $(OWN) $(PB); else echo "make full: phase B left out (PHASE_B=$(PHASE_B))"; fi
+	  $(BIN)/eagle-train train $(RECIPE) $(OWN) $(PB),echo "make full: phase B left out (PHASE_B=$(PHASE_B))")
 	$(call sweep_eval_export,$(FULL) $(HEADB))
 
 # polish: a head trained further on 900 ShareGPT conversations make full never reads (3,721-4,620: 463k tokens), 636
 # steps of 4 with 3 TTT steps at lr 3e-4 (~4 epochs, 29 min + a 23-min fp32 dump on an AVX2 box); held-out on make
 # full's split when its dump is there; sweep, eval and export take its train/final (eval.head's default). From make
-# full's head it made the shipped head's first polish: `make full polish POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
+# full's head it made the shipped head's first polish: `make full polish PHASE_B=yes FULL_MINUTES= POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
 # (held-out acc_0 0.537 -> 0.570, six-set τ 2.057 -> 2.103, chain of 4 1.701 -> 1.755: bench/RESULTS.md "## A polish
 # on conversations the head never saw")
 POLISH_FROM ?= $(HEAD)
@@ -204,7 +204,8 @@ polish4:
 # second corpus again (13,621-15,420, a third epoch of it): held-out acc_0 0.616 -> 0.618 -> 0.623, six-set chain of
 # 4 on 60 first turns 1.904 -> 1.924 -> 1.928; the same 400 steps on SmolLM2's own replies to 888 of those prompts
 # tied on τ and lost held-out acc_0 (bench/RESULTS.md "## A fifth polish"). ~50 min + 24 min of dumps on a bf16 CPU.
-# The shipped head before polish6: `make full polish polish2 polish3 polish4 polish5 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
+# The shipped head before polish6: `make full polish polish2 polish3 polish4 polish5 PHASE_B=yes FULL_MINUTES=
+# POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final` (phase B on and every step, as it was made).
 POLISH5 ?= output_dir=outputs/polish5 data.skip_conversations=15420 data.max_conversations=1800 data.eval_fraction=0.02
 POLISH5B ?= output_dir=outputs/polish5b data.skip_conversations=17220 data.max_conversations=1800 data.eval_fraction=0
 POLISH5_TRAIN ?= head.init=outputs/polish4/train/final train.micro_batch_size=4 train.ttt_steps=3 \
@@ -252,7 +253,8 @@ polish6: install
 # (polish4's second, polish5's first), 512 more draft-vocabulary slots re-ranked over all four (12 min). Translation
 # prompts chain of 4 1.65 -> 2.01, recipe tree 1.87 -> 2.24, the six sets tie (bench/RESULTS.md "## More
 # translation"). 55 min on a bf16 CPU with the sweep, eval and export. The shipped head:
-# `make full polish polish2 polish3 polish4 polish5 polish6 polish7 POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`.
+# `make full polish polish2 polish3 polish4 polish5 polish6 polish7 PHASE_B=yes FULL_MINUTES=
+# POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final` (phase B on and every step, as it was made).
 POLISH7 ?= output_dir=outputs/polish7 data.source=web-locales data.max_conversations=4000 data.eval_fraction=0 \
         target.dtype=bfloat16 regen.enabled=true regen.max_turns=1 regen.max_new_tokens=128 regen.batch_size=16 \
         regen.shard_size=32
