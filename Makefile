@@ -68,9 +68,12 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 0.560 against 0.516 for 1,700 steps at 3, in 8 minutes less (bench/RESULTS.md "## Phase A starts with 1 TTT step").
 # Counted in batches of 4 (twice the steps, the same tokens): at equal tokens and time held-out acc_0 0.515 against
 # 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
-# Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers")
+# Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers").
+# The 3-step steps restart their schedule at 5e-4 with fresh AdamW moments: on make full's own dumps and steps,
+# held-out chain tau(3) 1.909 -> 1.951, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
+# (bench/RESULTS.md "## The deep steps' own schedule in `make full`")
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
-      train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
+      train.deep_learning_rate=5e-4 train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
