@@ -70,10 +70,12 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
 # Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers").
 # The 3-step steps restart their schedule at 5e-4 with fresh AdamW moments: on make full's own dumps and steps,
-# held-out chain tau(3) 1.909 -> 1.951, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
-# (bench/RESULTS.md "## The deep steps' own schedule in `make full`")
+# held-out chain tau(3) 1.909 -> 1.953, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
+# (bench/RESULTS.md "## The deep steps' own schedule in `make full`"). The shipped head was made before it: DEEP_LR=
+# leaves it out
+DEEP_LR ?= train.deep_learning_rate=5e-4
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
-      train.deep_learning_rate=5e-4 train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
+      $(DEEP_LR) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
@@ -157,7 +159,7 @@ full: install
 # polish: a head trained further on 900 ShareGPT conversations make full never reads (3,721-4,620: 463k tokens), 636
 # steps of 4 with 3 TTT steps at lr 3e-4 (~4 epochs, 29 min + a 23-min fp32 dump on an AVX2 box); held-out on make
 # full's split when its dump is there; sweep, eval and export take its train/final (eval.head's default). From make
-# full's head it made the shipped head's first polish: `make full polish PHASE_B=yes FULL_MINUTES= POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
+# full's head it made the shipped head's first polish: `make full polish PHASE_B=yes DEEP_LR= FULL_MINUTES= POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
 # (held-out acc_0 0.537 -> 0.570, six-set τ 2.057 -> 2.103, chain of 4 1.701 -> 1.755: bench/RESULTS.md "## A polish
 # on conversations the head never saw")
 POLISH_FROM ?= $(HEAD)
@@ -207,7 +209,7 @@ polish4:
 # second corpus again (13,621-15,420, a third epoch of it): held-out acc_0 0.616 -> 0.618 -> 0.623, six-set chain of
 # 4 on 60 first turns 1.904 -> 1.924 -> 1.928; the same 400 steps on SmolLM2's own replies to 888 of those prompts
 # tied on τ and lost held-out acc_0 (bench/RESULTS.md "## A fifth polish"). ~50 min + 24 min of dumps on a bf16 CPU.
-# The shipped head before polish6: `make full polish polish2 polish3 polish4 polish5 PHASE_B=yes FULL_MINUTES=
+# The shipped head before polish6: `make full polish polish2 polish3 polish4 polish5 PHASE_B=yes DEEP_LR= FULL_MINUTES=
 # POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final` (phase B on and every step, as it was made).
 POLISH5 ?= output_dir=outputs/polish5 data.skip_conversations=15420 data.max_conversations=1800 data.eval_fraction=0.02
 POLISH5B ?= output_dir=outputs/polish5b data.skip_conversations=17220 data.max_conversations=1800 data.eval_fraction=0
@@ -256,7 +258,7 @@ polish6: install
 # (polish4's second, polish5's first), 512 more draft-vocabulary slots re-ranked over all four (12 min). Translation
 # prompts chain of 4 1.65 -> 2.01, recipe tree 1.87 -> 2.24, the six sets tie (bench/RESULTS.md "## More
 # translation"). 55 min on a bf16 CPU with the sweep, eval and export. The shipped head:
-# `make full polish polish2 polish3 polish4 polish5 polish6 polish7 PHASE_B=yes FULL_MINUTES=
+# `make full polish polish2 polish3 polish4 polish5 polish6 polish7 PHASE_B=yes DEEP_LR= FULL_MINUTES=
 # POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final` (phase B on and every step, as it was made).
 POLISH7 ?= output_dir=outputs/polish7 data.source=web-locales data.max_conversations=4000 data.eval_fraction=0 \
         target.dtype=bfloat16 regen.enabled=true regen.max_turns=1 regen.max_new_tokens=128 regen.batch_size=16 \
