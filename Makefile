@@ -159,7 +159,8 @@ full: install
 # polish: a head trained further on 900 ShareGPT conversations make full never reads (3,721-4,620: 463k tokens), 636
 # steps of 4 with 3 TTT steps at lr 3e-4 (~4 epochs, 29 min + a 23-min fp32 dump on an AVX2 box); held-out on make
 # full's split when its dump is there; sweep, eval and export take its train/final (eval.head's default). From make
-# full's head it made the shipped head's first polish: `make full polish PHASE_B=yes DEEP_LR= FULL_MINUTES= POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
+# full's head it made the shipped head's first polish: `make full polish PHASE_B=yes DEEP_LR= FULL_MINUTES=
+# POLISH_FROM=outputs/smollm2-135m-eagle3/train-own/final`
 # (held-out acc_0 0.537 -> 0.570, six-set τ 2.057 -> 2.103, chain of 4 1.701 -> 1.755: bench/RESULTS.md "## A polish
 # on conversations the head never saw")
 POLISH_FROM ?= $(HEAD)
