@@ -49,6 +49,9 @@ def lr_lambda(tc, plan=None):
 # train.budget_minutes: a phase's step time is the median over this many of its steps (its first 2 in a process left
 # out; a step's time stops before its evaluation and save, timed apart) before the step counts are fitted to the budget
 BUDGET_PROBE = 20
+# ... and fitted once more over this many: 20 steps can read 10% slow (session 45: 0.60 s against the phase's 0.55 s,
+# which left 300 of the recipe's shallow steps out); the refit starts again from the recipe's shallow counts
+BUDGET_REFIT = 200
 
 
 def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):

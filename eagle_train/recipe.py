@@ -264,7 +264,8 @@ class TrainConfig:
     # wall-clock minutes the training loop may run (set-up, and time while stopped, not counted; None: no limit).
     # After 20 steps of a phase the steps' time is measured, and when max_steps would not fit, the steps left of
     # both phases shrink by one factor (a deep step is taken as ttt_steps / shallow_ttt shallow ones until its own
-    # time is measured); the lowered counts are kept in checkpoints, so a resumed run keeps its plan and schedule.
+    # time is measured); after 200 the phase is fitted again (the shallow one from the recipe's counts: 20 steps
+    # can read 10% slow); the lowered counts are kept in checkpoints, so a resumed run keeps its plan and schedule.
     # What a slower machine gets is fewer steps, not a longer run
     budget_minutes: Optional[float] = spec(None, check="finite > 0")
     # weight of TTT step k is ttt_decay**k (1.0 against 0.8 as a TTT-5 polish of the SmolLM2 head: held-out chain of

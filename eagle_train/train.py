@@ -32,7 +32,7 @@ from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
 from eagle_train.dump_reader import check_contract
-from eagle_train.engine import (BUDGET_PROBE, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights,
+from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights,
                                 deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered, last_sound,
                                 log_curve, lr_lambda, make_accelerator, max_abs, param_digest, read_checkpoint,
                                 save_checkpoint, shared_draft_vocab, trim_curve)
@@ -228,7 +228,8 @@ def main(cfg, target=None, stop_after=None):
             metrics.update({"train/loss": last_loss, "train/lr": sched.get_last_lr()[0], "train/tokens_per_s": rate,
                             **{f"train/{k}": v for k, v in accs.items()}})
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step=step)
-        if tc.budget_minutes is not None and phase not in plan.fitted and len(timed[phase]) >= BUDGET_PROBE + 2:
+        fits = plan.fitted.count(phase)  # each phase is fitted twice: after BUDGET_PROBE steps, after BUDGET_REFIT
+        if tc.budget_minutes is not None and fits < 2 and len(timed[phase]) >= (BUDGET_PROBE, BUDGET_REFIT)[fits] + 2:
             fit_to_budget(tc, plan, accelerator, step, phase, timed[phase][2:], tc.budget_minutes * 60 - now["wall_s"])
             bar.total = plan.max_steps
             bar.refresh()
@@ -300,12 +301,16 @@ def main(cfg, target=None, stop_after=None):
 
 
 def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
-    """train.budget_minutes, once per phase: the median step time of this phase (every rank's mean, so the ranks
-    agree) and the evaluations' and checkpoints' share per step; lowers the plan's counts where they do not fit."""
+    """train.budget_minutes, twice per phase: the median step time of this phase (every rank's mean, so the ranks
+    agree) and the evaluations' and checkpoints' share per step; lowers the plan's counts where they do not fit. The
+    shallow phase's second fit starts from the recipe's counts, so a first probe that read slow gives its steps back."""
+    again, before = phase in plan.fitted, (plan.shallow_steps, plan.max_steps)
+    anew = again and phase == "shallow"
+    if anew:
+        plan.shallow_steps, plan.max_steps = tc.shallow_steps, tc.max_steps
     t = torch.tensor([median(times), plan.eval_s, plan.save_s, left_s], dtype=torch.float64, device=accelerator.device)
     step_s, eval_s, save_s, left_s = accelerator.reduce(t, "mean").tolist()
     deep_s = step_s * tc.ttt_steps / tc.shallow_ttt if phase == "shallow" else step_s
-    recipe = (plan.shallow_steps, plan.max_steps)
     # the last step's evaluation and checkpoint come whatever the count: set apart, the rest spread over the steps
     per_step = eval_s / tc.eval_every + save_s / tc.save_every
     f = fit_budget(plan, step, left_s - eval_s - save_s, step_s, deep_s, per_step,
@@ -314,16 +319,17 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
     # the deep phase measures its own step; the shallow phase projects the deep one from its own
     steps = f"shallow steps {step_s:.2f} s, deep {deep_s:.2f} s (projected)" if phase == "shallow" \
         else f"deep steps {step_s:.2f} s"
-    said = (f"{steps}, evaluations and checkpoints {eval_s:.1f} + {save_s:.1f} s; {left_s / 60:.1f} of "
-            f"train.budget_minutes={tc.budget_minutes} left")
-    if f < 1:
-        accelerator.print(f"[train] budget at step {step}: {said}: steps lowered x{f:.2f}, shallow_steps "
-                          f"{recipe[0]} -> {plan.shallow_steps}, max_steps {recipe[1]} -> {plan.max_steps}")
+    said = (f"{f'refit over {len(times)} steps, ' if again else ''}{steps}, evaluations and checkpoints "
+            f"{eval_s:.1f} + {save_s:.1f} s; {left_s / 60:.1f} of train.budget_minutes={tc.budget_minutes} left")
+    counts = (f"shallow_steps {before[0]} -> {plan.shallow_steps}, max_steps {before[1]} -> {plan.max_steps}")
+    if (plan.shallow_steps, plan.max_steps) == before:
+        what = f"the {plan.max_steps - step} steps left fit"
     elif f > 1:
-        accelerator.print(f"[train] budget at step {step}: {said}: time for more deep steps, max_steps "
-                          f"{recipe[1]} -> {plan.max_steps}")
+        what = f"time for more deep steps, max_steps {before[1]} -> {plan.max_steps}"
     else:
-        accelerator.print(f"[train] budget at step {step}: {said}: the {recipe[1] - step} steps left fit")
+        what = (f"steps lowered x{f:.2f}{' from the recipe' if anew else ''}" if f < 1 else "the recipe's steps fit") \
+            + f", {counts}"
+    accelerator.print(f"[train] budget at step {step}: {said}: {what}")
 
 
 def tokenizer_digest(cfg, ds):

@@ -705,6 +705,30 @@ def test_budget_minutes_lowers_the_steps_and_a_resume_keeps_the_plan(tmp_path, c
         load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.budget_minutes=0"]))
 
 
+def test_budget_refit_gives_back_the_steps_a_slow_probe_took(tmp_path, capsys, monkeypatch):
+    """train.budget_minutes fits a phase twice: a first probe that reads slow lowers the shallow counts, and the refit
+    over more steps starts again from the recipe's counts, so the run trains the recipe's steps where they fit."""
+    from eagle_train import engine
+
+    monkeypatch.setattr(train, "BUDGET_PROBE", 4)  # fits at step 6 and 12 instead of 22 and 202
+    monkeypatch.setattr(train, "BUDGET_REFIT", 10)
+    reads = iter([1.0, 0.5])  # the probe's median step time, then the refit's (seconds; the real steps are faster)
+    monkeypatch.setattr(train, "median", lambda times: next(reads))
+    data = tmp_path / "data"
+    write_corpus(synthetic(n=24), data)
+    # 22 s: 22 shallow + 4 deep (ttt 3, projected 3 s) steps left need 34 s at the probe's 1.0 s, 14 s at the refit's
+    res = train.main(load_recipe(None, tiny_args(tmp_path / "refit", steps=32, extra=[
+        f"data.output={data}", "train.shallow_steps=28", "train.shallow_ttt=1", "train.save_every=100",
+        f"train.budget_minutes={22 / 60}"])), target=make_tiny_llama(vocab_size=128))
+    said = [line for line in capsys.readouterr().out.splitlines() if "[train] budget at step" in line]
+    assert len(said) == 2 and engine.BUDGET_PROBE == 20, said  # the deep phase's 4 steps are too few to fit
+    assert said[0].startswith("[train] budget at step 6: shallow steps 1.00 s") and "steps lowered" in said[0], said
+    assert said[1].startswith("[train] budget at step 12: refit over 10 steps, shallow steps 0.50 s"), said
+    assert "the recipe's steps fit" in said[1] and "-> 28" in said[1] and said[1].endswith("-> 32"), said
+    got = json.loads((res["final"] / "train_state.json").read_text())["train"]
+    assert res["step"] == 32 and (got["shallow_steps"], got["max_steps"]) == (28, 32)
+
+
 def test_deep_learning_rate_restarts_schedule_and_moments(tmp_path):
     """train.deep_learning_rate: from shallow_steps on, a warmup and decay of its own to that peak (the shallow steps
     keep the single schedule), and fresh AdamW moments: at an equal learning rate the moments alone tell the runs
