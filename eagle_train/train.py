@@ -32,10 +32,10 @@ from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
 from eagle_train.dump_reader import check_contract
-from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract, check_weights,
-                                deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered, last_sound,
-                                log_curve, lr_lambda, make_accelerator, max_abs, param_digest, read_checkpoint,
-                                save_checkpoint, shared_draft_vocab, trim_curve)
+from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract,
+                                check_weights, deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered,
+                                last_sound, log_curve, lr_lambda, make_accelerator, max_abs, param_digest,
+                                read_checkpoint, save_checkpoint, shared_draft_vocab, trim_curve)
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.features import target_features
 from eagle_train.files import atomic_write_text
@@ -321,7 +321,7 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
         else f"deep steps {step_s:.2f} s"
     said = (f"{f'refit over {len(times)} steps, ' if again else ''}{steps}, evaluations and checkpoints "
             f"{eval_s:.1f} + {save_s:.1f} s; {left_s / 60:.1f} of train.budget_minutes={tc.budget_minutes} left")
-    counts = (f"shallow_steps {before[0]} -> {plan.shallow_steps}, max_steps {before[1]} -> {plan.max_steps}")
+    counts = f"shallow_steps {before[0]} -> {plan.shallow_steps}, max_steps {before[1]} -> {plan.max_steps}"
     if (plan.shallow_steps, plan.max_steps) == before:
         what = f"the {plan.max_steps - step} steps left fit"
     elif f > 1:
