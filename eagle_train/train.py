@@ -326,9 +326,10 @@ def fit_to_budget(tc, plan, accelerator, step, phase, times, left_s):
         what = f"the {plan.max_steps - step} steps left fit"
     elif f > 1:
         what = f"time for more deep steps, max_steps {before[1]} -> {plan.max_steps}"
-    else:
-        what = (f"steps lowered x{f:.2f}{' from the recipe' if anew else ''}" if f < 1 else "the recipe's steps fit") \
-            + f", {counts}"
+    elif f < 1:
+        what = f"steps lowered x{f:.2f}{' from the recipe' if anew else ''}, {counts}"
+    else:  # the shallow refit's reset alone moved them
+        what = f"the recipe's steps fit, {counts}"
     accelerator.print(f"[train] budget at step {step}: {said}: {what}")
 
 
