@@ -73,7 +73,8 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # held-out chain tau(3) 1.909 -> 1.953, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
 # (bench/RESULTS.md "## The deep steps' own schedule in `make full`"); at 7e-4 on the same dumps and steps 1.953 ->
 # 1.968, chain of 4 1.97 -> 1.98 (session 46, "## The budget fits each phase twice"); at 1e-3 on make full's own run
-# 1.959 -> 1.969 (session 47, "## `make full` with the refit and the deep restart at 7e-4"). The shipped head was made
+# 1.959 -> 1.969 (session 47, "## `make full` with the refit and the deep restart at 7e-4"), MT-bench chain of 4 on
+# 40 x 2 1.88 -> 1.92 (session 48, "## `make full` at `FULL_MINUTES=116`"). The shipped head was made
 # before it: DEEP_LR= leaves it out
 DEEP_LR ?= train.deep_learning_rate=1e-3
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
