@@ -1,6 +1,7 @@
 """Dump throughput and size: dump tokens/s vs a bare target forward on the same batches of SmolLM2.
 
     python bench/dump.py [--samples 64] [--max-length 256] [--batch-tokens 4096] [--threads 2] [--record]
+    python bench/dump.py --targets-ab [--repeats 2] ...   # the lean dump with dump.targets all vs replies
 
 Prepares `--samples` real ShareGPT conversations with `eagle-train prep` (SmolLM2 chat template),
 plans the dump's length-sorted batches, times the bare target forward (`model(input_ids,
@@ -9,6 +10,8 @@ storage mode and reports, per mode: dump tokens/s (model loaded, everything else
 read, forward, feature encoding, shard writes with sha256), the ratio to the bare forward (goal
 >= 0.9), bytes per token on disk next to the 8*H bytes of a bf16 last+3-layer dump (goal: lean
 <= 4*H), and the relative RMS reconstruction error of aux/last against fp32 features.
+`--targets-ab` runs only the lean mode (topk, float8), `--repeats` times each with dump.targets=all and
+=replies in turn, and prints the tokens/s ratio replies / all measured in the one run.
 `--record` appends the table to bench/RESULTS.md under `## Dump`.
 """
 
@@ -29,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from record import record  # noqa: E402  (bench/record.py)
 SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt" / "sharegpt_v3_salvaged.jsonl.gz"
-MODES = [("full", "bfloat16"), ("topk", "bfloat16"), ("topk", "float8"), ("full", "float8")]
+MODES = [("full", "bfloat16", "all"), ("topk", "bfloat16", "all"), ("topk", "float8", "all"),
+         ("topk", "float8", "replies"), ("full", "float8", "all")]
 
 
 def bare_forward(model, ds, batches) -> tuple[float, int]:
@@ -80,12 +84,16 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", help="target.dtype the dump runs in (make full: auto, bf16 where native)")
+    ap.add_argument("--targets-ab", action="store_true", help="only topk/float8, targets all vs replies in turn")
+    ap.add_argument("--repeats", type=int, default=1, help="with --targets-ab: runs of each")
     ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from eagle_train.data_prep import dump, prepare
     from datasets import load_from_disk
+    from eagle_train.eagle3 import default_aux_layers
     from eagle_train.features import target_features
     from eagle_train.recipe_load import load_recipe
     from eagle_train.target import load_target
@@ -93,7 +101,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="bench-dump-"))
     base = [f"output_dir={tmp}", f"data.source={SHAREGPT}", f"data.max_conversations={args.samples}",
             f"data.max_length={args.max_length}", "data.eval_fraction=0", "target.model=smollm2-135m-instruct",
-            f"target.device={args.device}", f"dump.batch_tokens={args.batch_tokens}", "dump.include_eval=false",
+            f"target.device={args.device}", f"target.dtype={args.dtype}", f"dump.batch_tokens={args.batch_tokens}", "dump.include_eval=false",
             "dump.topk=64"]
     cfg = load_recipe(None, base)
     prepare.main(cfg)
@@ -113,19 +121,21 @@ def main():
     ref = {}
     for r in rows[:8].tolist():
         ids = torch.tensor([ds[r]["input_ids"]], device=next(model.parameters()).device)
-        f = target_features(model, ids, None, dump.default_aux_layers(model.config.num_hidden_layers), "full")
+        f = target_features(model, ids, None, default_aux_layers(model.config.num_hidden_layers), "full")
         ref[ds[r]["id"]] = {k: v[0].float().cpu() for k, v in f.items()}
 
     results = []
-    for storage, dtype in MODES:
-        out = tmp / f"dump-{storage}-{dtype}"
-        c = load_recipe(None, base + [f"dump.storage={storage}", f"dump.dtype={dtype}", f"dump.output={out}"])
+    modes = [m for m in MODES if m[:2] == ("topk", "float8")] * args.repeats if args.targets_ab else MODES
+    for n, (storage, dtype, targets) in enumerate(modes):
+        out = tmp / f"dump-{storage}-{dtype}-{targets}-{n}"
+        c = load_recipe(None, base + [f"dump.storage={storage}", f"dump.dtype={dtype}", f"dump.output={out}",
+                                      f"dump.targets={targets}"])
         t0 = time.perf_counter()
         stats = dump.main(c, model)["train"]
         wall = time.perf_counter() - t0
         man = json.loads((out / "manifest.json").read_text())
         assert man["num_tokens"] == n_tokens
-        results.append({"storage": storage, "dtype": dtype, "tokens_per_s": man["num_tokens"] / wall,
+        results.append({"storage": storage, "dtype": dtype, "targets": targets, "tokens_per_s": man["num_tokens"] / wall,
                         "loop_tokens_per_s": stats["tokens_per_s"], "bytes_per_token": man["bytes"] / man["num_tokens"],
                         "error": rel_error(out, ref, H)})
     sec, tok = bare_forward(model, ds, batches)
@@ -133,17 +143,24 @@ def main():
     bare_tps = sum(bare) / len(bare)
 
     lines = [f"{len(rows)} ShareGPT samples (max_length {args.max_length}), {n_tokens} tokens, {len(batches)} batches "
-             f"(batch_tokens {args.batch_tokens}), SmolLM2-135M fp32 on {next(model.parameters()).device} "
+             f"(batch_tokens {args.batch_tokens}), SmolLM2-135M {next(model.parameters()).dtype} on "
+             f"{next(model.parameters()).device} "
              f"({args.threads} threads), H={H}, k=64.",
              f"Bare target forward (logits incl.): {bare_tps:.0f} tokens/s (runs: {', '.join(f'{b:.0f}' for b in bare)}).",
              "",
-             "| storage | dtype | dump tokens/s | ratio to bare | bytes/token | / (8*H = %d) | aux error: RMS, per token | last error: RMS, per token |" % (8 * H),
-             "|---|---|---|---|---|---|---|---|"]
+             "| storage | dtype | targets | dump tokens/s | ratio to bare | bytes/token | / (8*H = %d) | aux error: RMS, per token | last error: RMS, per token |" % (8 * H),
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r["error"]
         err = {n: f"{e[n]:.1e}, {e[n + '_row']:.1e}" if n in e else "-" for n in ("aux", "last")}
-        lines.append(f"| {r['storage']} | {r['dtype']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / bare_tps:.2f} | "
+        lines.append(f"| {r['storage']} | {r['dtype']} | {r['targets']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / bare_tps:.2f} | "
                      f"{r['bytes_per_token']:.0f} | {r['bytes_per_token'] / (8 * H):.2f} | {err['aux']} | {err['last']} |")
+    lean = {t: [r["tokens_per_s"] for r in results if (r["storage"], r["dtype"], r["targets"])
+                == ("topk", "float8", t)] for t in ("all", "replies")}
+    if lean["all"] and lean["replies"]:
+        ratio = sum(lean["replies"]) / len(lean["replies"]) / (sum(lean["all"]) / len(lean["all"]))
+        lines += ["", f"Lean dump, dump.targets=replies / all: **{ratio:.2f}x** tokens/s (means of "
+                      f"{len(lean['replies'])} and {len(lean['all'])} runs in this one process)"]
     text = "\n".join(lines)
     print(text)
     if args.record:

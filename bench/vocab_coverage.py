@@ -56,7 +56,9 @@ def main(argv=None):
         ds = FeatureDataset(folder)
         if "topk_ids" not in ds[0]:
             raise SystemExit(f"{folder}: not a top-k dump (dump.storage=topk keeps the target's top-1)")
-        top1 = torch.cat([x["topk_ids"][:, 0][x["loss_mask"].bool()] for x in (ds[i] for i in range(len(ds)))])
+        # the target at t is token t+1's distribution: the positions whose next token is a reply token (the dump keeps
+        # targets only there under dump.targets=replies)
+        top1 = torch.cat([x["topk_ids"][:-1, 0][x["loss_mask"][1:].bool()] for x in (ds[i] for i in range(len(ds)))])
         rows.append((folder, top1.numel(), [float(t2d[top1].float().mean()) for t2d in vocabs]))
 
     lines = [f"`python bench/vocab_coverage.py {shlex.join(sys.argv[1:] if argv is None else argv)}` "

@@ -14,6 +14,8 @@ Batch i goes to rank i % N; each rank writes its own `shard-r<rank>-<n>.safetens
 What is stored per token (see eagle_train/features.py for the layer convention and fp8 format):
     head.type eagle3: aux (3 layers, `head.aux_layers`, default HF hidden_states [2, N//2, N-3])
                       + last (dump.storage=full) or topk_logp/topk_ids (dump.storage=topk)
+                      topk only at the positions whose next token is a reply token (dump.targets=replies, the
+                      default: all the loss reads; zeros elsewhere) or at every token (dump.targets=all)
     head.type eagle1: last (the target distribution is lm_head(last)); needs dump.storage=full
     always: input_ids (int32), loss_mask (uint8); per shard `offsets` (samples -> token rows)
 Bytes per token for SmolLM2 (H=576, k=64), next to the 8*H = 4608 of a bf16 last+3-layer dump:
@@ -117,6 +119,17 @@ def select_samples(ds) -> tuple[np.ndarray, np.ndarray]:
     masked = csum[ends] - csum[ends - lengths]
     rows = np.nonzero(masked > 0)[0]
     return rows, lengths[rows]
+
+
+def target_rows(loss_masks, valid: torch.Tensor, targets: Optional[str]) -> torch.Tensor:
+    """(B, L) bool: where the dump keeps the target's top-k. `replies`: position t when token t+1 is a reply token,
+    the only targets train.loss_positions=assistant reads (the target at t is the distribution of token t+1)."""
+    if targets != "replies":
+        return valid
+    rows = torch.zeros_like(valid)
+    for i, mask in enumerate(loss_masks):
+        rows[i, :len(mask) - 1] = torch.as_tensor(mask[1:], dtype=torch.bool)
+    return rows
 
 
 def plan_batches(rows, lengths, batch_tokens: int) -> List[List[int]]:
@@ -268,7 +281,8 @@ def dump_split(model, ds, out: Path, header: dict, dcfg, state, budget_minutes: 
             input_ids[i, :len(s)], valid[i, :len(s)] = s, True
         # no mask when nothing is padded: the plain causal path, bit-identical to a lone forward
         attn = None if valid.all() else valid.long().to(device)
-        feats = target_features(model, input_ids.to(device), attn, header["aux_layers"], storage, dcfg.topk)
+        feats = target_features(model, input_ids.to(device), attn, header["aux_layers"], storage, dcfg.topk,
+                                target_rows=target_rows(got["loss_mask"], valid, header.get("targets")).to(device))
         enc = encode(feats, valid.to(device), dcfg.dtype)
         starts = np.concatenate([[0], np.cumsum(lens)])
         for i, row in enumerate(batch):

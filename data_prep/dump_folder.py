@@ -28,6 +28,11 @@ def run_dtype(cfg) -> str:
     return compute_dtype(cfg.dump.target_dtype or cfg.target.dtype, cfg.target.device)
 
 
+def targets_of(cfg):
+    """Where the dump keeps target top-k (`dump.targets`); None when it keeps the last hidden state (every position)."""
+    return cfg.dump.targets if cfg.dump.storage == "topk" and cfg.head.type == "eagle3" else None
+
+
 def dump_header(cfg, model) -> dict:
     """Everything the features depend on; stored in the manifest and compared on reruns."""
     conf = model.config.get_text_config()
@@ -40,6 +45,7 @@ def dump_header(cfg, model) -> dict:
                                    "system_prompt", "eval_fraction")},
         "dump": {"storage": cfg.dump.storage, "dtype": cfg.dump.dtype,
                  "topk": cfg.dump.topk if cfg.dump.storage == "topk" else None},
+        "targets": targets_of(cfg),
         "head": {"type": cfg.head.type, "aux_layers": aux},
     }
     settings["data"] |= data_keys_set(d, ("skip_conversations", "prompt_template", "po_direction"))
@@ -59,6 +65,7 @@ def dump_header(cfg, model) -> dict:
         "storage": cfg.dump.storage,
         "dtype": cfg.dump.dtype,
         "topk": settings["dump"]["topk"],
+        "targets": settings["targets"],
         "hidden_size": conf.hidden_size,
         "num_layers": n,
         "vocab_size": vocab,
@@ -72,7 +79,7 @@ def dump_header(cfg, model) -> dict:
 IDENTITY = [("format", None), ("target_id", "target.model"), ("target_digest", "target.model (its weights)"),
             ("revision", "target.revision"),
             ("head_type", "head.type"), ("aux_layers", "head.aux_layers"), ("storage", "dump.storage"),
-            ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("recipe_hash", None)]
+            ("dtype", "dump.dtype"), ("topk", "dump.topk"), ("targets", "dump.targets"), ("recipe_hash", None)]
 
 
 def check_folder(out: Path, header: dict) -> None:

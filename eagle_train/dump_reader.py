@@ -49,6 +49,14 @@ def check_contract(manifest: dict, expected: dict, folder) -> None:
                             "with this recipe into another dump.output")
 
 
+def check_targets(manifest: dict, loss_positions: str, folder) -> None:
+    """A dump made with dump.targets=replies holds no targets at user-turn positions: training there needs `all`."""
+    if loss_positions == "all" and manifest.get("targets") == "replies":
+        raise DumpError(f"{folder}/manifest.json: the dump keeps the target's top-k at reply positions only "
+                        "(dump.targets=replies) but train.loss_positions=all trains on every token; dump again with "
+                        "dump.targets=all into another dump.output, or set train.loss_positions=assistant")
+
+
 def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

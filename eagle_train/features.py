@@ -43,12 +43,13 @@ def aux_features(hidden_states, aux_layers: List[int]) -> torch.Tensor:
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                     aux_layers: Optional[List[int]], storage: str = "full", topk: int = 64,
-                    chunk_tokens: int = 2048) -> Dict[str, torch.Tensor]:
+                    chunk_tokens: int = 2048, target_rows: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Run the frozen target once and return the features named above.
 
     aux_layers None means no `aux` (EAGLE-1/2). storage is "full" (return `last`) or "topk"
     (return `topk_logp`/`topk_ids` instead of `last`). The top-k is taken `chunk_tokens` rows at a
-    time so the (tokens, vocab) logits never exist for the whole batch at once."""
+    time so the (tokens, vocab) logits never exist for the whole batch at once, and only where
+    `target_rows` (B, L) bool is set when given (zeros elsewhere: see `topk_logprobs`)."""
     # ask only for the layers we keep (transformers >= 5 accepts a list; older ones return all)
     out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
                             output_hidden_states=list(aux_layers) if aux_layers else False, use_cache=False)
@@ -60,20 +61,34 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[tor
     if storage == "full":
         feats["last"] = last
     else:
-        feats["topk_logp"], feats["topk_ids"] = topk_logprobs(model.get_output_embeddings(), last, topk, chunk_tokens)
+        feats["topk_logp"], feats["topk_ids"] = topk_logprobs(model.get_output_embeddings(), last, topk, chunk_tokens,
+                                                              target_rows)
     return feats
 
 
-def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 2048) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Top-k next-token log-probs (float32) and ids (int32) from post-norm hidden states (..., H)."""
+def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 2048,
+                  rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k next-token log-probs (float32) and ids (int32) from post-norm hidden states (..., H).
+    `rows` (...) bool: only those positions get them, the others log-prob 0 and id 0. The lm_head,
+    log-softmax and top-k over SmolLM2's 49,152 tokens are ~24% of a dumped token's time on a CPU
+    (bench/RESULTS.md "## The dump's top-k where training reads it"), and a user turn's never train."""
     flat = last.reshape(-1, last.shape[-1])
+    pick = None if rows is None else rows.reshape(-1).nonzero().squeeze(1)
+    src = flat if pick is None else flat[pick]
     logp, ids = [], []
-    for s in range(0, flat.shape[0], chunk_tokens):
-        v, i = torch.log_softmax(lm_head(flat[s:s + chunk_tokens]).float(), dim=-1).topk(k, dim=-1)
+    for s in range(0, src.shape[0], chunk_tokens):
+        v, i = torch.log_softmax(lm_head(src[s:s + chunk_tokens]).float(), dim=-1).topk(k, dim=-1)
         logp.append(v)
         ids.append(i.to(torch.int32))
+    logp = torch.cat(logp) if logp else torch.zeros(0, k, device=flat.device)
+    ids = torch.cat(ids) if ids else torch.zeros(0, k, dtype=torch.int32, device=flat.device)
+    if pick is not None:
+        full_logp = torch.zeros(flat.shape[0], k, device=flat.device)
+        full_ids = torch.zeros(flat.shape[0], k, dtype=torch.int32, device=flat.device)
+        full_logp[pick], full_ids[pick] = logp, ids
+        logp, ids = full_logp, full_ids
     shape = (*last.shape[:-1], k)
-    return torch.cat(logp).reshape(shape), torch.cat(ids).reshape(shape)
+    return logp.reshape(shape), ids.reshape(shape)
 
 
 def quantize_fp8(x: torch.Tensor, groups: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -166,6 +166,10 @@ class DumpConfig:
     shard_size_mb: float = spec(256, check="> 0")
     # padded tokens per forward batch (samples are length-sorted to cut padding)
     batch_tokens: int = spec(16384, check="> 0")
+    # where storage=topk keeps the target's top-k: `replies`, the positions whose next token is a reply token (what
+    # train.loss_positions=assistant reads; ~27% of ShareGPT's tokens skip the vocabulary-wide lm_head, log-softmax
+    # and top-k, the others are stored as zeros), or `all` real tokens (what train.loss_positions=all needs)
+    targets: str = spec("replies", one_of=("replies", "all"))
     # dump the held-out split too (written under `<output>/eval`)
     include_eval: bool = True
     # wall-clock minutes for the train split, counted from its first start (kept in <output>/budget.json, so a resume

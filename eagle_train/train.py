@@ -31,7 +31,7 @@ import torch
 from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_expectation, eval_batches, feature_rms,
                                  load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import count_tokens, draft_ids_of
-from eagle_train.dump_reader import check_contract
+from eagle_train.dump_reader import check_contract, check_targets
 from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract,
                                 check_weights, deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered,
                                 last_sound, log_curve, lr_lambda, make_accelerator, max_abs, param_digest,
@@ -77,6 +77,7 @@ def main(cfg, target=None, stop_after=None):
         expected = dump_expectation(cfg, tconf, digest)
         for part in getattr(ds, "parts", [ds]):
             check_contract(part.manifest, expected, part.folder)
+            check_targets(part.manifest, tc.loss_positions, part.folder)
             expected = {**expected, "max_length": None}  # train.extra_dumps may be cut at another length
         if tc.eval_dump and eval_data is not None:  # held-out features of another dump: the same contract
             check_contract(eval_data[0].manifest, expected, eval_data[0].folder)

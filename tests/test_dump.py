@@ -101,13 +101,15 @@ def test_fp32_bit_exact_tiny(tmp_path, tiny_dir):
     assert sorted(FeatureDataset(tmp_path / "dump" / "eval").ids) == ["e0", "e1", "e2"]
 
 
-def test_batched_bf16_topk_tiny(tmp_path, tiny_dir):
-    """Padded batches: read-back == the same batches' direct forward rounded to bf16, and ~= lone forwards."""
+@pytest.mark.parametrize("targets", ["replies", "all"])
+def test_batched_bf16_topk_tiny(tmp_path, tiny_dir, targets):
+    """Padded batches: read-back == the same batches' direct forward rounded to bf16, and ~= lone forwards; with
+    dump.targets=replies the top-k only where a reply token follows (zeros elsewhere)."""
     model, mdir = tiny_dir
     samples = random_samples(20, seed=2)
     write_corpus(tmp_path / "data", samples)
     cfg = recipe(tmp_path, mdir, "dump.storage=topk", "dump.topk=8", "dump.batch_tokens=200",
-                 "dump.include_eval=false", "head.aux_layers=[1,3,5]")
+                 "dump.include_eval=false", "head.aux_layers=[1,3,5]", f"dump.targets={targets}")
     dump.main(cfg, model)
     feats = by_id(tmp_path / "dump")
     assert set(feats) == {s[0] for s in samples} and "last" not in feats["s0"]
@@ -126,12 +128,17 @@ def test_batched_bf16_topk_tiny(tmp_path, tiny_dir):
             sid, n = samples[r][0], len(samples[r][1])
             item = feats[sid]
             assert torch.equal(item["aux"], direct["aux"][i, :n].bfloat16().float())
-            assert torch.equal(item["topk_ids"], direct["topk_ids"][i, :n].long())
-            assert torch.equal(item["topk_logp"], direct["topk_logp"][i, :n].half().float())
+            kept = torch.ones(n, dtype=torch.bool)
+            if targets == "replies":  # the target at t is token t+1's: kept where t+1 is a reply token
+                kept = torch.tensor(samples[r][2][1:] + [0], dtype=torch.bool)
+                assert 0 < kept.sum() < n
+                assert (item["topk_ids"][~kept] == 0).all() and (item["topk_logp"][~kept] == 0).all()
+            assert torch.equal(item["topk_ids"][kept], direct["topk_ids"][i, :n][kept].long())
+            assert torch.equal(item["topk_logp"][kept], direct["topk_logp"][i, :n][kept].half().float())
             aux, last = solo_hidden(model, samples[r][1], [1, 3, 5])
             torch.testing.assert_close(item["aux"], aux, rtol=2 ** -8, atol=1e-6)
             logp = torch.log_softmax(model.lm_head(last), -1).topk(8, -1).values
-            torch.testing.assert_close(item["topk_logp"], logp, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(item["topk_logp"][kept], logp[kept], rtol=1e-3, atol=1e-3)
 
 
 def chat_samples(tok, n=3):
@@ -161,7 +168,7 @@ def test_smollm2_fp32_bf16_fp8(tmp_path, smollm2):
                      f"dump.output={tmp_path}/{name}", *extra)
         dump.main(cfg, model)
     fp32, bf16, lean = (by_id(tmp_path / n) for n in runs)
-    for sid, ids, _ in samples:
+    for sid, ids, mask in samples:
         aux, last = solo_hidden(model, ids, layers)
         assert json.loads((tmp_path / "fp32" / "manifest.json").read_text())["aux_layers"] == layers
         assert torch.equal(fp32[sid]["aux"], aux) and torch.equal(fp32[sid]["last"], last)
@@ -175,8 +182,9 @@ def test_smollm2_fp32_bf16_fp8(tmp_path, smollm2):
         assert (q - aux).norm() / aux.norm() < 0.04
         assert aux.abs().max() > FP8_MAX  # the scales are needed: SmolLM2's residual exceeds e4m3's range
         logp, top = torch.log_softmax(model.lm_head(last), -1).topk(64, -1)
-        assert (lean[sid]["topk_ids"][:, 0] == top[:, 0]).all()
-        torch.testing.assert_close(lean[sid]["topk_logp"], logp, rtol=1e-3, atol=2e-3)
+        kept = torch.tensor(mask[1:] + [0], dtype=torch.bool)  # dump.targets=replies: where a reply token follows
+        assert (lean[sid]["topk_ids"][kept, 0] == top[kept, 0]).all() and (lean[sid]["topk_ids"][~kept] == 0).all()
+        torch.testing.assert_close(lean[sid]["topk_logp"][kept], logp[kept], rtol=1e-3, atol=2e-3)
     man = json.loads((tmp_path / "lean" / "manifest.json").read_text())
     assert man["bytes"] / man["num_tokens"] <= 4 * 576  # lean goal: <= 4*H bytes per token
 

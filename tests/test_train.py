@@ -252,6 +252,38 @@ def test_tiny_target_offline_from_dump(tmp_path, storage):
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.03, m
 
 
+def test_reply_targets_train_as_every_target(tmp_path):
+    """dump.targets=replies keeps the top-k only where a reply token follows; training reads nothing else, so its
+    head equals the one trained on a dump with targets everywhere, and train.loss_positions=all refuses it."""
+    from eagle_train.data_prep import dump
+    from eagle_train.dump_reader import FeatureDataset
+    from eagle_train.errors import DumpError
+
+    target = make_tiny_llama(vocab_size=128)
+    write_corpus(synthetic(), tmp_path / "data")
+    runs = {}
+    for targets in ("replies", "all"):
+        extra = ["train.mode=offline", "dump.storage=topk", "dump.topk=16", "dump.dtype=float32",
+                 f"dump.targets={targets}", f"dump.output={tmp_path / targets}", f"train.output={tmp_path / 't' / targets}"]
+        cfg = load_recipe(None, tiny_args(tmp_path, steps=6, extra=extra))
+        dump.main(cfg, model=target)
+        runs[targets] = train.main(cfg, target=target)
+    first = FeatureDataset(tmp_path / "replies")[0]
+    skipped = ~first["loss_mask"][1:].bool()
+    assert skipped.any() and (first["topk_ids"][:-1][skipped] == 0).all() and (first["topk_logp"][:-1][skipped] == 0).all()
+    assert (first["topk_ids"][:-1][~skipped, 0] == FeatureDataset(tmp_path / "all")[0]["topk_ids"][:-1][~skipped, 0]).all()
+    a, b = (load_file(str(runs[t]["final"] / "model.safetensors")) for t in ("replies", "all"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert runs["replies"]["metrics"]["eval/loss"] == runs["all"]["metrics"]["eval/loss"]
+
+    every = ["train.mode=offline", "dump.storage=topk", "dump.topk=16", "dump.dtype=float32", "train.loss_positions=all"]
+    with pytest.raises(DumpError, match=r"dump.targets=replies.*train.loss_positions=all"):
+        train.main(load_recipe(None, tiny_args(tmp_path, steps=2, extra=every + [
+            f"dump.output={tmp_path / 'replies'}", f"train.output={tmp_path / 't' / 'x'}"])), target=target)
+    train.main(load_recipe(None, tiny_args(tmp_path, steps=2, extra=every + [
+        f"dump.output={tmp_path / 'all'}", f"train.output={tmp_path / 't' / 'y'}"])), target=target)
+
+
 def test_extra_dumps_train_with_the_first(tmp_path):
     """train.extra_dumps: a second corpus (other length) is read with dump.output as one training set,
     draft vocabulary counted over both, recorded in the head; a dump for another target is refused."""
