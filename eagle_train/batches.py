@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.draft_vocab import count_tokens
 from eagle_train.dump_reader import ConcatFeatures, FeatureDataset, collate
 from eagle_train.eagle3 import check_aux_layers
 from eagle_train.recipe import RecipeError
@@ -159,6 +160,30 @@ def corpus_pairs(cfg, ds):
     else:
         pairs = ((first[i]["input_ids"], first[i]["loss_mask"]) for i in range(len(first)))
     return itertools.chain(pairs, *(p.token_pairs() for p in extra))  # extra dumps: their own token columns
+
+
+def draft_vocab_counts(cfg, ds, vocab_size):
+    """Counts (vocab_size,) the EAGLE-3 draft vocabulary is ranked by (`head.draft_vocab_counts`): the corpus' reply
+    tokens, or the target's top-1 (the dumps' topk_ids[:, 0]) where a trained token follows."""
+    if cfg.head.draft_vocab_counts == "replies":
+        return count_tokens(corpus_pairs(cfg, ds), vocab_size)
+    parts = ds.parts if isinstance(ds, ConcatFeatures) else [ds]
+    if cfg.train.mode != "offline" or any(getattr(p, "storage", None) != "topk" for p in parts):
+        raise RecipeError("head.draft_vocab_counts=target_top1 counts the target's top-1 from a dump.storage=topk "
+                          f"dump (train.mode=offline); this run has train.mode={cfg.train.mode}, "
+                          f"storage {[getattr(p, 'storage', None) for p in parts]}: use head.draft_vocab_counts=replies")
+    return count_target_top1(parts, vocab_size, cfg.train.loss_positions)
+
+
+def count_target_top1(dumps, vocab_size, positions="assistant"):
+    """Counts (vocab_size,) of the target's top-1 over top-k dumps, at the positions whose next token is trained
+    (`positions` assistant: a reply token follows; all: every position but a sample's last)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for part in dumps:
+        for top1, mask in part.top1_pairs():
+            trained = mask[1:].bool() if positions == "assistant" else torch.ones(len(mask) - 1, dtype=torch.bool)
+            counts += torch.bincount(top1[:-1][trained], minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 def batch_indices(n, mb, world, rank, seed, epoch, lengths=None, bucket=64):

@@ -150,6 +150,12 @@ class FeatureDataset(Dataset):
             item["topk_ids"] = f.get_slice("topk_ids")[a:b].to(torch.int64)
         return item
 
+    def top1_pairs(self):
+        """(target top-1 ids, loss_mask) of every sample of a topk dump, without reading the features."""
+        for i in range(len(self)):
+            f, a, b = self._rows(i)
+            yield f.get_slice("topk_ids")[a:b][:, 0].long(), f.get_slice("loss_mask")[a:b].long()
+
     def token_pairs(self):
         """(input_ids, loss_mask) of every sample, without reading the features (draft-vocabulary counts)."""
         for i in range(len(self)):

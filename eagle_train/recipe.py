@@ -197,6 +197,10 @@ class HeadConfig:
     # outside it, each to one counted more often (new rows start as a larger vocabulary's do). For a fine-tune on
     # text the head's vocabulary misses (another language). 0: the head's vocabulary as it is
     draft_vocab_swap: int = spec(0, check=">= 0")
+    # what the EAGLE-3 draft vocabulary counts: `replies`, the corpus' reply tokens (SpecForge's count), or
+    # `target_top1`, the target's top-1 at the positions training reads (offline, from a dump.storage=topk dump):
+    # the tokens the head is trained and asked to draft
+    draft_vocab_counts: str = spec("replies", one_of=("replies", "target_top1"))
     # MLP width of the draft decoder layer (None: the target's). Wider than a head.init folder's: new units
     # start with zero down_proj columns (the head computes what it did)
     intermediate_size: Optional[int] = None

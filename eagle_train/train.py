@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import torch
 
-from eagle_train.batches import (add_targets, batch_indices, corpus_pairs, dump_expectation, eval_batches, feature_rms,
-                                 load_batch, open_data, sample_lengths)
-from eagle_train.draft_vocab import count_tokens, draft_ids_of
+from eagle_train.batches import (add_targets, batch_indices, draft_vocab_counts, dump_expectation, eval_batches,
+                                 feature_rms, load_batch, open_data, sample_lengths)
+from eagle_train.draft_vocab import draft_ids_of
 from eagle_train.dump_reader import check_contract, check_targets
 from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract,
                                 check_weights, deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered,
@@ -99,7 +99,7 @@ def main(cfg, target=None, stop_after=None):
         grow = start is not None and (head.d2t.numel() > start.d2t.numel() or cfg.head.draft_vocab_swap > 0)
         head.set_draft_vocab(*((start.d2t, start.t2d) if start is not None and not grow else shared_draft_vocab(
             accelerator, out / "draft_vocab.safetensors",
-            lambda: count_tokens(corpus_pairs(cfg, ds), tconf.vocab_size), cfg.head.draft_vocab_size,
+            lambda: draft_vocab_counts(cfg, ds, tconf.vocab_size), cfg.head.draft_vocab_size,
             keep=start.t2d if grow else None, swap=cfg.head.draft_vocab_swap)))  # a start head's tokens first
     aux_layers = head.config.aux_layers if head_type == "eagle3" else None
 

@@ -284,6 +284,41 @@ def test_reply_targets_train_as_every_target(tmp_path):
         f"dump.output={tmp_path / 'all'}", f"train.output={tmp_path / 't' / 'y'}"])), target=target)
 
 
+def test_draft_vocab_counts_the_target_top1(tmp_path):
+    """head.draft_vocab_counts=target_top1: the draft vocabulary is the target's most frequent top-1 tokens where a
+    reply token follows (from the dump), not the corpus' reply tokens; online mode refuses it."""
+    from eagle_train.data_prep import dump
+    from eagle_train.draft_vocab import build_draft_vocab
+    from eagle_train.dump_reader import FeatureDataset
+
+    target = make_tiny_llama(vocab_size=128)
+    write_corpus(synthetic(), tmp_path / "data")
+    extra = ["train.mode=offline", "dump.storage=topk", "dump.topk=16", "dump.dtype=float32", "head.draft_vocab_size=32"]
+    vocab = {}
+    for counts in ("replies", "target_top1"):
+        cfg = load_recipe(None, tiny_args(tmp_path, steps=2, extra=extra + [
+            f"head.draft_vocab_counts={counts}", f"train.output={tmp_path / counts}"]))
+        if counts == "replies":
+            dump.main(cfg, model=target)
+        vocab[counts] = load_head(train.main(cfg, target=target)["final"], target=target).t2d
+    ds = FeatureDataset(tmp_path / "dump")
+    top1 = torch.zeros(128, dtype=torch.long)
+    replies = torch.zeros(128, dtype=torch.long)
+    with torch.no_grad():
+        for i in range(len(ds)):
+            ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"].bool()
+            pred = target(input_ids=ids[None]).logits[0].argmax(-1)  # the target's top-1 for token t+1
+            top1 += torch.bincount(pred[:-1][mask[1:]], minlength=128)
+            replies += torch.bincount(ids[mask], minlength=128)
+    assert torch.equal(vocab["target_top1"], build_draft_vocab(top1, 32)[1])
+    assert torch.equal(vocab["replies"], build_draft_vocab(replies, 32)[1])
+    assert not torch.equal(vocab["target_top1"], vocab["replies"])
+    online = load_recipe(None, tiny_args(tmp_path, steps=2, extra=[
+        "head.draft_vocab_counts=target_top1", f"train.output={tmp_path / 'online'}"]))
+    with pytest.raises(RecipeError, match="head.draft_vocab_counts=target_top1 counts the target's top-1"):
+        train.main(online, target=target)
+
+
 def test_extra_dumps_train_with_the_first(tmp_path):
     """train.extra_dumps: a second corpus (other length) is read with dump.output as one training set,
     draft vocabulary counted over both, recorded in the head; a dump for another target is refused."""
