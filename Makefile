@@ -101,7 +101,8 @@ HEADB ?= eval.head=$(OUT)/$(if $(PHASE_B_ON),train-own,train)/final
 # install, and phase A runs to the end of its budget since it is fitted twice: under 120 a clean clone took 121.4 min
 # (install 1.4, phase A 62.9 of its 62, the tail 14.7; bench/RESULTS.md "## `make full` with the refit and the deep
 # restart at 7e-4"), so 116 leaves 4 minutes for those: a clean clone under 116 took 118.0 min on a slower day of
-# the same box (phase A 57.6 of its 57; "## `make full` at `FULL_MINUTES=116`")
+# the same box (phase A 57.6 of its 57; "## `make full` at `FULL_MINUTES=116`"), 115.1 min on a faster day with the
+# dump's top-k only before reply tokens (phase A 59.4 of its 60; "## The dump's top-k only where training reads it")
 FULL_MINUTES ?= 116
 TAIL_MINUTES ?= auto
 TAIL_BF16 ?= 15

@@ -71,7 +71,7 @@ def topk_logprobs(lm_head, last: torch.Tensor, k: int, chunk_tokens: int = 2048,
     """Top-k next-token log-probs (float32) and ids (int32) from post-norm hidden states (..., H).
     `rows` (...) bool: only those positions get them, the others log-prob 0 and id 0. The lm_head,
     log-softmax and top-k over SmolLM2's 49,152 tokens are ~24% of a dumped token's time on a CPU
-    (bench/RESULTS.md "## The dump's top-k where training reads it"), and a user turn's never train."""
+    (bench/RESULTS.md "## The dump's top-k only where training reads it"), and a user turn's never train."""
     flat = last.reshape(-1, last.shape[-1])
     pick = None if rows is None else rows.reshape(-1).nonzero().squeeze(1)
     src = flat if pick is None else flat[pick]
