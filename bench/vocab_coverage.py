@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from record import publish  # noqa: E402  (bench/record.py)
 
-from eagle_train.batches import count_target_top1  # noqa: E402
+from eagle_train.batches import count_target_top1, trained_top1  # noqa: E402
 from eagle_train.draft_vocab import build_draft_vocab, load_draft_vocab  # noqa: E402
 from eagle_train.dump_reader import FeatureDataset  # noqa: E402
 
@@ -66,9 +66,7 @@ def main(argv=None):
         ds = FeatureDataset(folder)
         if ds.storage != "topk":
             raise SystemExit(f"{folder}: not a top-k dump (dump.storage=topk keeps the target's top-1)")
-        # the target at t is token t+1's distribution: the positions whose next token is a reply token (the dump keeps
-        # targets only there under dump.targets=replies)
-        top1 = torch.cat([ids[:-1][mask[1:].bool()] for ids, mask in ds.top1_pairs()])
+        top1 = torch.cat(list(trained_top1([ds])))
         rows.append((folder, top1.numel(), [float(t2d[top1].float().mean()) for t2d in vocabs]))
 
     lines = [f"`python bench/vocab_coverage.py {shlex.join(sys.argv[1:] if argv is None else argv)}` "

@@ -179,11 +179,18 @@ def count_target_top1(dumps, vocab_size, positions="assistant"):
     """Counts (vocab_size,) of the target's top-1 over top-k dumps, at the positions whose next token is trained
     (`positions` assistant: a reply token follows; all: every position but a sample's last)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
+    for top1 in trained_top1(dumps, positions):
+        counts += torch.bincount(top1, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def trained_top1(dumps, positions="assistant"):
+    """Per sample of top-k dumps, the target's top-1 where the next token is trained (the target at t is token t+1's
+    distribution; the dump keeps it only there under dump.targets=replies)."""
     for part in dumps:
         for top1, mask in part.top1_pairs():
             trained = mask[1:].bool() if positions == "assistant" else torch.ones(len(mask) - 1, dtype=torch.bool)
-            counts += torch.bincount(top1[:-1][trained], minlength=vocab_size)[:vocab_size]
-    return counts
+            yield top1[:-1][trained]
 
 
 def batch_indices(n, mb, world, rank, seed, epoch, lengths=None, bucket=64):
