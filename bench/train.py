@@ -58,7 +58,8 @@ def features(L, B):
     return model, ids, f
 
 
-def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged"):
+def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged",
+        ttt_rows="1"):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
@@ -78,7 +79,10 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     scale = f["aux"].pow(2).mean((0, 1)).sqrt()
     loss_fn = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                         token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale,
-                        recompute_attention=recompute, fused=fused)
+                        recompute_attention=recompute, fused=fused, ttt_rows=1.0 if ttt_rows == "all" else float(ttt_rows))
+    if ttt_rows == "all":  # TTT steps >= 1 at every position, user turns included (before train.ttt_rows)
+        n = L - 1
+        loss_fn.deep_rows = lambda *a: (torch.arange(B).repeat_interleave(n), torch.arange(n).repeat(B))
     draft = draft_ids_of(head.d2t)
     t2d_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft] = torch.arange(draft.numel())
@@ -110,7 +114,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
     return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
-            "attention": attention,
+            "attention": attention, "ttt_rows": ttt_rows,
             "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -128,34 +132,43 @@ def main():
     ap.add_argument("--fused", choices=["off", "on", "both"], default="on")
     ap.add_argument("--attention", choices=["merged", "dense", "both"], default="merged")
     ap.add_argument("--user-fraction", type=float, default=0.24)
-    ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
+    # train.ttt_rows values to compare ("all": TTT steps >= 1 at every position, as before the option)
+    ap.add_argument("--ttt-rows", nargs="+", default=["1"])
+    ap.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on",
-                             a.one[4] == "on", a.user_fraction, a.one[5])))
+                             a.one[4] == "on", a.user_fraction, a.one[5], a.one[6])))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    for fu, at in [(fu, at) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
-                                   for at in (["dense", "merged"] if a.attention == "both" else [a.attention])]:
-                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
+                    for fu, at, tr in [(fu, at, tr) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
+                                       for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
+                                       for tr in a.ttt_rows]:
+                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at, tr,
                                               "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
                                               str(a.user_fraction)], capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
     lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | TTT attention | "
-             "tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 11 + "|"]
+             "ttt_rows | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 12 + "|"]
     lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
-              f"{r['attention']} | {r['tokens_per_s']:.0f} | "
+              f"{r['attention']} | {r['ttt_rows']} | {r['tokens_per_s']:.0f} | "
               f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
         for steps in a.steps:
-            same = [r for r in rows
-                    if r["L"] == L and r["ttt_steps"] == steps and r["recompute"] == rows[0]["recompute"]]
+            for prec in a.precisions:  # each train.ttt_rows value against the first one listed
+                tr = {r["ttt_rows"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                      and r["precision"] == prec and r["recompute"] == rows[0]["recompute"]
+                      and r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
+                checks += [f"L={L}, ttt_steps={steps}, {prec}: ttt_rows {v} / {a.ttt_rows[0]} tokens/s = "
+                           f"{tr[v] / tr[a.ttt_rows[0]]:.2f}" for v in a.ttt_rows[1:] if v in tr and a.ttt_rows[0] in tr]
+            same = [r for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                    and r["recompute"] == rows[0]["recompute"] and r["ttt_rows"] == rows[0]["ttt_rows"]]
             t = {r["precision"]: r["tokens_per_s"] for r in same
                  if r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
             if {"fp32", "bf16"} <= set(t):
@@ -174,6 +187,7 @@ def main():
     for L in a.lengths:
         m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
              and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]
+             and r["ttt_rows"] == rows[0]["ttt_rows"]
              and r["attention"] == rows[0]["attention"]}
         if not {1, 3, 7} <= set(m):
             continue

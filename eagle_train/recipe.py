@@ -286,6 +286,13 @@ class TrainConfig:
     # 1.894; bench/RESULTS.md "## A loss mask for the deeper TTT steps"); over a whole phase A it learned more slowly
     # (acc_0 -0.04 at step 200) at the same step time ("## `train.ttt_mask_topk=1` over a whole phase A")
     ttt_mask_topk: int = spec(0, check=">= 0")
+    # EAGLE-3: TTT steps >= 1 run only at the positions where one of them trains (always: the same loss), and while
+    # training at a random `ttt_rows` share of those, drawn per position and optimizer step (step 0 runs everywhere:
+    # its keys are every deeper step's context; evaluations use every position). Below 1 a 3-step step costs less and
+    # trains steps >= 1 on fewer positions: at 0.5 a SmolLM2 3-step step took 1.1 s instead of 1.6, and in the same
+    # minutes held-out chain tau(3) rose 1.954 -> 1.975, MT-bench chain of 4 1.88 -> 1.92 (bench/RESULTS.md "## TTT
+    # steps >= 1 at half the positions")
+    ttt_rows: float = spec(1.0, check="in (0, 1]")
     # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
     # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
     # (bench/RESULTS.md "## Training"); for long samples or several jobs on one box. On a CPU the default path (the

@@ -129,7 +129,7 @@ def main(cfg, target=None, stop_after=None):
 
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,
-                      recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk,
+                      recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk, ttt_rows=tc.ttt_rows,
                       fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))

@@ -33,13 +33,16 @@ def shift(x, k, fill=0):
     return torch.cat([x[:, k:], pad], dim=1)
 
 
-def ttt_attention(q, k0, v0, ks, vs):
+def ttt_attention(q, k0, v0, ks, vs, mask=None):
     """q (B, h, n, d); k0/v0 (B, kv, n, d) step-0 keys (causal); ks/vs: keys of steps 1..s at the
-    same position (each (B, kv, n, d)). One softmax over [n causal scores | s diagonal scores]."""
-    rep, scale, n = q.shape[1] // k0.shape[1], q.shape[-1] ** -0.5, q.shape[2]
+    same position (each (B, kv, n, d)). One softmax over [n causal scores | s diagonal scores].
+    `mask` (B, 1, m, n) bool, for q at m of the n positions (ttt_unroll's `deep_rows`): the step-0 keys each
+    query sees, in place of the causal n x n."""
+    rep, scale, n = q.shape[1] // k0.shape[1], q.shape[-1] ** -0.5, k0.shape[2]
     k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
-    scores = (q @ k0.transpose(-1, -2)) * scale  # (B, h, n, n)
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = (q @ k0.transpose(-1, -2)) * scale  # (B, h, n or m, n)
+    hide = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1) if mask is None else ~mask
+    scores = scores.masked_fill(hide, float("-inf"))
     diag = torch.stack([(q * k.repeat_interleave(rep, 1)).sum(-1) for k in ks], dim=-1) * scale  # (B, h, n, s)
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax for bf16, float64 kept float64
     probs = torch.softmax(torch.cat([scores, diag], dim=-1).to(acc), dim=-1).to(q.dtype)
@@ -64,11 +67,12 @@ class MergedTTTAttention(torch.autograd.Function):
     faster (bench/RESULTS.md "## TTT attention through the flash kernel")."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, *kv):
+    def forward(ctx, q, k0, v0, mask, *kv):
         s = len(kv) // 2
         ks, vs = kv[:s], kv[s:]
         scale, acc = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)  # fp32 sums for bf16
-        oc, lse_k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, True)
+        oc, lse_k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, mask is None,
+                                                                               attn_mask=mask)
         lse = lse_k.to(acc)
         d = torch.stack([(q * k).sum(-1) for k in ks], -1).to(acc) * scale  # (B, h, n, s)
         L = torch.logsumexp(torch.cat([lse[..., None], d], -1), -1)
@@ -77,18 +81,18 @@ class MergedTTTAttention(torch.autograd.Function):
         for i, v in enumerate(vs):
             out = out + ai[..., i, None] * v.to(acc)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k0, v0, out, lse_k, ac, ai, *kv)
+        ctx.save_for_backward(q, k0, v0, out, lse_k, ac, ai, mask, *kv)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k0, v0, out, lse_k, ac, ai, *kv = ctx.saved_tensors
+        q, k0, v0, out, lse_k, ac, ai, mask, *kv = ctx.saved_tensors
         s = len(kv) // 2
         ks, vs = kv[:s], kv[s:]
         scale, acc = q.shape[-1] ** -0.5, ac.dtype
         gf = g.to(acc)
         gq, gk0, gv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            (ac[..., None] * gf).to(q.dtype), q, k0, v0, out, lse_k, 0.0, True)
+            (ac[..., None] * gf).to(q.dtype), q, k0, v0, out, lse_k, 0.0, mask is None, attn_mask=mask)
         gq = gq.to(acc)
         D = (gf * out.to(acc)).sum(-1)  # rowsum(grad * out) of the merged softmax
         gks, gvs = [], []
@@ -97,15 +101,17 @@ class MergedTTTAttention(torch.autograd.Function):
             gq = gq + dS[..., None] * k.to(acc)
             gks.append((dS[..., None] * q.to(acc)).to(k.dtype))
             gvs.append((ai[..., i, None] * gf).to(v.dtype))
-        return (gq.to(q.dtype), gk0, gv0, *gks, *gvs)
+        return (gq.to(q.dtype), gk0, gv0, None, *gks, *gvs)
 
 
-def merged_ttt_attention(q, k0, v0, ks, vs):
+def merged_ttt_attention(q, k0, v0, ks, vs, mask=None):
     """ttt_attention's arguments and result, through MergedTTTAttention."""
     rep = q.shape[1] // k0.shape[1]
     dt = q.dtype
     kv = [x.to(dt).repeat_interleave(rep, 1) for x in (k0, v0, *ks, *vs)]
-    return MergedTTTAttention.apply(q, *kv)
+    if mask is not None:  # the flash kernel takes an additive mask of q's dtype
+        mask = torch.zeros(mask.shape, dtype=dt, device=q.device).masked_fill(~mask, float("-inf"))
+    return MergedTTTAttention.apply(q, kv[0], kv[1], mask, *kv[2:])
 
 
 def soft_ce(logits, p, valid):
@@ -207,42 +213,63 @@ def linear_soft_ce(normed, lm_head, p, valid, weight, argmax=False, label=None):
     return loss, w.sum(), top if argmax else None, rank if label is not None else None
 
 
-def ttt_step_attention(q, k, v, keys: dict, recompute: bool = False):
+def ttt_step_attention(q, k, v, keys: dict, recompute: bool = False, segments=None):
     """One TTT step's attention in one layer. `keys` (empty before step 0, then kept by the caller): step 0 is causal
     over its own keys and stores them; step s >= 1 adds its keys to the diagonal ones and reads the step-0 keys
-    causally plus the diagonal keys of steps 1..s (`recompute`: in backward, not kept; see ttt_unroll)."""
+    causally plus the diagonal keys of steps 1..s (`recompute`: in backward, not kept; see ttt_unroll).
+    `segments`: steps >= 1 run at some positions only, packed into one row (1, h, M, d); each (b, rows, mask) says
+    which of them belong to sample b and which of its step-0 keys each one sees ((1, 1, m_b, n) bool)."""
     if not keys:
         keys.update(k0=k, v0=v, ks=[], vs=[])
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                               is_causal=True)
-    k0, v0, ks, vs = keys["k0"], keys["v0"], keys["ks"], keys["vs"]
-    ks.append(k), vs.append(v)
+    keys["ks"].append(k), keys["vs"].append(v)
+    if segments is None:
+        return _ttt_attention(q, keys["k0"], keys["v0"], keys["ks"], keys["vs"], recompute, None)
+    # one sample's rows at a time: each attends to its own sample's step-0 keys
+    outs = [_ttt_attention(q[:, :, r], keys["k0"][b:b + 1], keys["v0"][b:b + 1], [x[:, :, r] for x in keys["ks"]],
+                           [x[:, :, r] for x in keys["vs"]], recompute, mask) for b, r, mask in segments]
+    return torch.cat(outs, dim=2) if outs else torch.zeros_like(q)
+
+
+def _ttt_attention(q, k0, v0, ks, vs, recompute, mask):
     # copies of ks/vs: backward replays these arguments, and the lists grow at the next step
     if recompute and torch.is_grad_enabled():
-        return checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), use_reentrant=False)
+        return checkpoint(ttt_attention, q, k0, v0, list(ks), list(vs), mask, use_reentrant=False)
     if MERGED and q.device.type == "cpu":
-        return merged_ttt_attention(q, k0, v0, ks, vs)
-    return ttt_attention(q, k0, v0, ks, vs)
+        return merged_ttt_attention(q, k0, v0, ks, vs, mask)
+    return ttt_attention(q, k0, v0, ks, vs, mask)
 
 
-def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True):
+def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True, deep_rows=None):
     """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
     step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}.
     `recompute`: steps >= 1 recompute their attention in backward rather than keep its n x n scores.
-    `project=False` yields head.norm(out) in place of the logits (the fused loss applies the lm_head)."""
+    `project=False` yields head.norm(out) in place of the logits (the fused loss applies the lm_head).
+    `deep_rows` (b, t), two (M,) index tensors ordered by b: steps >= 1 run at those M (sample, position) pairs
+    only, packed into one row, and yield (1, M, ...). A position's deeper steps read nothing of another
+    position's but step 0's keys, so they are the same as in the full unroll."""
     mid = head.midlayer
     attn = mid.self_attn
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
     B, n = hidden.shape[:2]
     pos = torch.arange(n, device=ids.device).expand(B, n)
-    keys = {}
+    keys, segments = {}, None
     for s in range(steps):
         tok = shift(ids, 1 + s)[:, :n]
+        if s >= 1 and deep_rows is not None:
+            bi, ti = deep_rows
+            tok = tok[bi, ti][None]
+            if s == 1:
+                hidden, pos = hidden[bi, ti][None], ti[None]
+                ends = torch.bincount(bi, minlength=B).cumsum(0).tolist()
+                segments = [(b, slice(a, e), (torch.arange(n, device=ids.device) <= ti[a:e, None])[None, None])
+                            for b, (a, e) in enumerate(zip([0] + ends[:-1], ends)) if e > a]
         cos, sin = head.rotary(hidden, pos + s)
         q, k, v = attn.qkv(mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin)
-        o = ttt_step_attention(q, k, v, keys, recompute)
-        out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(B, n, -1)))
+        o = ttt_step_attention(q, k, v, keys, recompute, segments)
+        out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:2], -1)))
         yield out, head.lm_head(head.norm(out)) if project else head.norm(out)
         hidden = out
 
@@ -258,8 +285,11 @@ class DraftLoss(nn.Module):
     target's top-1 within its own top k (train.ttt_mask_topk)."""
 
     def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
-                 recompute_attention=False, fused=True, ttt_mask_topk=0):
+                 recompute_attention=False, fused=True, ttt_mask_topk=0, ttt_rows=1.0):
         super().__init__()
+        # TTT steps >= 1 run only at the positions where one of them trains, and while training at a random
+        # `ttt_rows` share of those (train.ttt_rows)
+        self.ttt_rows = ttt_rows
         # fused: the lm_head and the loss chunk by chunk on the valid rows (LinearSoftCE); off under ZeRO-3, whose
         # partitioned lm_head weight is gathered only inside the module's own forward
         self.fused = fused
@@ -281,12 +311,24 @@ class DraftLoss(nn.Module):
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
         loss, stats = 0.0, {}
         alive = chain = None  # (B, n): every earlier step had the target's top-1 in its top-k / as its top-1
-        for s, (out, y) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention, not self.fused)):
-            n = y.shape[1]
+        n = ids.shape[1] - 1
+        deep = self.deep_rows(valid_tok, n, steps) if steps > 1 else None
+
+        def sub(x):  # (B, n, ...) -> (1, M, ...) at the deep steps' (sample, position) pairs
+            return x[deep][None]
+
+        for s, (out, y) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention, not self.fused,
+                                                deep)):
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n]
             weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight
             target, top1 = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
+            if s >= 1:
+                valid, weight, top1 = sub(valid), sub(weight), sub(top1)
+                target = tuple(sub(x) for x in target) if isinstance(target, tuple) else sub(target)
+                if s == 1:
+                    alive = None if alive is None else sub(alive)
+                    chain = None if chain is None else sub(chain)
             if alive is not None:  # ttt_mask_topk: depth s is drafted only where its ancestors were
                 weight = weight * alive
             # the lm_head sees every valid row when the accuracy is counted (comparable with the mask off), else
@@ -317,6 +359,16 @@ class DraftLoss(nn.Module):
                     hits[rows] = hit
                     chain = hits if chain is None else chain & hits
         return loss, stats
+
+    def deep_rows(self, valid_tok, n, steps):
+        """(b, t) (M,) each: the (sample, position) pairs where some TTT step >= 1 trains, a random `ttt_rows` share
+        of them while training; ordered by sample, then position."""
+        need = torch.zeros(valid_tok.shape[0], n, dtype=torch.bool, device=valid_tok.device)
+        for s in range(1, steps):
+            need |= shift(valid_tok, 2 + s)[:, :n].bool()
+        if self.training and self.ttt_rows < 1:
+            need &= torch.rand(need.shape, device=need.device) < self.ttt_rows
+        return need.nonzero(as_tuple=True)
 
     def eagle1(self, b):
         head = self.head

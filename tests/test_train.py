@@ -120,6 +120,88 @@ def test_merged_ttt_attention_equals_the_dense_softmax(dtype, steps):
 
 
 
+@pytest.mark.parametrize("merged", [True, False])
+def test_ttt_deep_rows_equal_the_full_unroll(monkeypatch, merged):
+    """ttt_unroll(deep_rows=...): TTT steps >= 1 at some (sample, position) pairs only, packed into one row (a
+    sample with none among them too), give the full unroll's outputs there, and a loss on them the same
+    gradients: a position's deeper steps read nothing of another position's but step 0's keys. Through the merged
+    flash attention and the dense softmax."""
+    import copy
+
+    import eagle_train.ttt as ttt
+    monkeypatch.setattr(ttt, "MERGED", merged)
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=50, draft_vocab_size=50, aux_layers=[1, 2, 3])
+    head = Eagle3Head(cfg)
+    B, L, steps = 3, 40, 3
+    ids, aux = torch.randint(0, 50, (B, L)), torch.randn(B, L, 96)
+    bi, ti = torch.tensor([0, 0, 0, 0, 0, 2, 2, 2]), torch.tensor([0, 3, 17, 30, 38, 2, 5, 21])  # sample 1: none
+    w = torch.randn(steps, 50)
+
+    def run(deep_rows):
+        h = copy.deepcopy(head)
+        outs = [y for _, y in ttt_unroll(h, ids, aux, steps, deep_rows=deep_rows)]
+        got = outs[:1] + [y if deep_rows is not None else y[bi, ti][None] for y in outs[1:]]
+        (sum((y * w[s]).sum() for s, y in enumerate(got))).backward()
+        return [y.detach() for y in got], {n: q.grad for n, q in h.named_parameters() if q.grad is not None}
+
+    (got, grads), (ref, ref_grads) = run((bi, ti)), run(None)
+    assert got[1].shape == (1, len(bi), 50) and ref[0].shape == (B, L - 1, 50)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-4, rtol=1e-4)
+
+
+def test_deep_steps_run_only_where_they_train(monkeypatch):
+    """DraftLoss runs TTT steps >= 1 only at the positions where one of them trains (the user turns and the rest
+    drop out): loss, accuracy counts and gradients equal running them everywhere. train.ttt_rows=0.5 runs them at
+    about half of those while training, evaluation (eval()) at all of them."""
+    import copy
+
+    torch.manual_seed(0)
+    V, B, L = 60, 3, 64
+    n = L - 1
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
+    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
+    valid = (torch.rand(B, L) > 0.2) & (torch.arange(L) >= torch.tensor([[8], [30], [20]]))  # user turns first
+    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": (ids, probs / probs.sum(-1, keepdim=True)),
+         "aux": torch.randn(B, L, 96), "top1": ids[..., 0]}
+    seen = []
+
+    def run(everywhere=False, share=1.0, training=True):
+        h = copy.deepcopy(head)
+        loss_fn = DraftLoss(h, ttt_steps=3, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0, ttt_rows=share)
+        loss_fn.train(training)
+        if everywhere:
+            monkeypatch.setattr(loss_fn, "deep_rows", lambda *a: (torch.arange(B).repeat_interleave(n),
+                                                                 torch.arange(n).repeat(B)))
+        spy = loss_fn.deep_rows
+        loss_fn.deep_rows = lambda *a: seen.append(spy(*a)) or seen[-1]
+        loss, stats = loss_fn(b)
+        loss.backward()
+        return loss.detach(), stats, {n: q.grad for n, q in h.named_parameters() if q.grad is not None}
+
+    (loss, stats, grads), (ref, ref_stats, ref_grads) = run(), run(everywhere=True)
+    rows = seen[0]
+    assert len(rows[0]) < 0.8 * B * n and len(seen[1][0]) == B * n
+    torch.testing.assert_close(loss, ref)
+    assert stats.keys() == ref_stats.keys() == {"acc_0", "acc_1", "acc_2", "chain_1", "chain_2"}
+    for k in stats:
+        assert torch.equal(stats[k], ref_stats[k]), k
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+    run(share=0.5)
+    half = len(seen[-1][0]) / len(rows[0])
+    assert 0.35 < half < 0.65, half
+    run(share=0.5, training=False)
+    assert all(torch.equal(a, r) for a, r in zip(seen[-1], rows))
+
+
 @pytest.mark.parametrize("target,mask", [("sparse", 0), ("dense", 0), ("sparse", 3), ("dense", 1)])
 def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target, mask):
     """DraftLoss(fused=True) (the lm_head and the soft CE chunk by chunk on the valid rows only, gradients formed
