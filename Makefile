@@ -77,8 +77,14 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 40 x 2 1.88 -> 1.92 (session 48, "## `make full` at `FULL_MINUTES=116`"). The shipped head was made
 # before it: DEEP_LR= leaves it out
 DEEP_LR ?= train.deep_learning_rate=1e-3
+# The 3-step steps run TTT steps 1 and 2 at a random half of the trained positions (step 0 at every position:
+# train.ttt_rows=0.5): a step 1.61 -> 1.08-1.13 s, so the budget fits 1,900 of them where 1,290 fitted (the counts
+# below cap them at 1,800: max_steps - shallow_steps). From session
+# 49's phase-A checkpoint before its 3-step steps, in the same minutes: held-out chain tau(3) 1.954 -> 1.975, MT-bench
+# chain of 4 on 40 x 2 1.88 -> 1.92 (session 50, bench/RESULTS.md "## TTT steps >= 1 at half the positions")
+TTT_ROWS ?= train.ttt_rows=0.5
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
-      $(DEEP_LR) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
+      $(DEEP_LR) $(TTT_ROWS) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
