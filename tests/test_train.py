@@ -496,12 +496,15 @@ def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.05, m
 
 
-@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
-def test_resume_after_kill_equals_uninterrupted(tmp_path, head_type):
+@pytest.mark.parametrize("head_type,more", [("eagle3", []), ("eagle1", []), ("eagle3", ["train.ttt_rows=0.5"])],
+                         ids=["eagle3", "eagle1", "eagle3-ttt_rows"])
+def test_resume_after_kill_equals_uninterrupted(tmp_path, head_type, more):
+    """A resumed run ends bit-identical to an uninterrupted one (train.ttt_rows < 1 too: its draws come from the
+    RNG state the checkpoint restores)."""
     target = make_tiny_llama(vocab_size=128)
     data = tmp_path / "data"
     write_corpus(synthetic(n=24), data)
-    common = [f"head.type={head_type}", f"data.output={data}", "train.save_every=3", "train.grad_accum=2"]
+    common = [f"head.type={head_type}", f"data.output={data}", "train.save_every=3", "train.grad_accum=2", *more]
     full = train.main(load_recipe(None, tiny_args(tmp_path / "a", steps=7, extra=common)), target=target)
     # the "killed" run: stops after the step-3 checkpoint (and a few micro-steps more is not saved)
     killed = load_recipe(None, tiny_args(tmp_path / "b", steps=7, extra=common))
