@@ -81,7 +81,8 @@ DEEP_LR ?= train.deep_learning_rate=1e-3
 # train.ttt_rows=0.5): a step 1.61 -> 1.08-1.13 s, so the budget fits 1,900 of them where 1,290 fitted (the counts
 # below cap them at 1,800: max_steps - shallow_steps). From session 49's phase-A checkpoint before its 3-step steps,
 # in the same minutes: held-out chain tau(3) 1.954 -> 1.975, MT-bench chain of 4 on 40 x 2 1.88 -> 1.92; a quarter
-# of the positions (2,201 steps) 1.964 (session 50, bench/RESULTS.md "## TTT steps >= 1 at half the positions")
+# of the positions (2,201 steps) 1.964 (session 50, bench/RESULTS.md "## TTT steps >= 1 at half the positions").
+# A clean clone with it: 115.0 min, 1,680 of them, held-out 1.969, MT-bench chain of 4 on 40 x 2 1.93 (session 51)
 TTT_ROWS ?= train.ttt_rows=0.5
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
       $(DEEP_LR) $(TTT_ROWS) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
