@@ -54,6 +54,16 @@ BUDGET_PROBE = 20
 BUDGET_REFIT = 200
 
 
+def adamw(params, tc):
+    """AdamW at train.learning_rate; train.weight_decay decays the matrices only (norm gains and biases are not pulled
+    toward 0). Without decay one parameter group, as checkpoints saved before the split hold."""
+    params = list(params)
+    groups = params if tc.weight_decay == 0 else [
+        {"params": [p for p in params if p.dim() >= 2]},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
+
+
 def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):
     """Lower plan.shallow_steps / plan.max_steps so the steps after `step` fit in `left_s` seconds: `step_s` is a
     shallow step's time, `deep_s` a deep one's, `extra_s` the evaluations and checkpoints per step. Both phases

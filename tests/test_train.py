@@ -782,6 +782,27 @@ def test_shallow_steps_unroll_fewer_ttt_steps_first(tmp_path):
         load_recipe(None, tiny_args(tmp_path / "bad", extra=["train.shallow_steps=2", "train.shallow_ttt=4"]))
 
 
+def test_weight_decay_pulls_the_matrices_only():
+    """engine.adamw: train.weight_decay shrinks every matrix by lr * decay a step (zero gradients: Adam's own update
+    is 0) and leaves norm gains and biases alone; without decay a single parameter group, as old checkpoints hold."""
+    from types import SimpleNamespace
+
+    from eagle_train.engine import adamw
+
+    lin, norm = torch.nn.Linear(4, 3), torch.nn.RMSNorm(3)
+    params = [*lin.parameters(), *norm.parameters()]
+    before = [p.detach().clone() for p in params]
+    opt = adamw(params, SimpleNamespace(learning_rate=0.1, weight_decay=0.5, adam_betas=[0.9, 0.95]))
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.allclose(lin.weight, before[0] * 0.95)
+    for p, b in zip(params[1:], before[1:]):  # the bias and the norm gain
+        assert torch.equal(p.detach(), b)
+    assert len(adamw(params, SimpleNamespace(learning_rate=0.1, weight_decay=0.0, adam_betas=[0.9, 0.95]))
+               .param_groups) == 1
+
+
 def test_fit_budget_shrinks_both_phases_by_one_factor():
     """engine.fit_budget: steps that fit are left alone; otherwise the shallow and deep steps left shrink by the
     same factor (never below one deep step), a run shallow to the end moves only its end, and only the deep phase's
