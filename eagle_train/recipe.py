@@ -241,7 +241,7 @@ class TrainConfig:
     mixed_precision: str = spec("auto", one_of=("auto", "no", "bf16", "fp16"), aliases={False: "no"})
     # peak learning rate
     learning_rate: float = spec(3e-4, check="finite > 0")
-    # AdamW decoupled weight decay (0: none)
+    # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
     # AdamW (beta1, beta2), each in [0, 1)
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
