@@ -17,6 +17,7 @@ from eagle_train.draft_vocab import build_draft_vocab, load_draft_vocab, save_dr
 from eagle_train.dump_reader import sha256_file
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.files import atomic_write_text, replace_dir
+from eagle_train.recipe import RecipeError
 from eagle_train.target import cpu_has_fast_bf16
 
 # divergence: a loss above this is no cross-entropy over any vocabulary (ln 256k ~ 12.5 per TTT step)
@@ -62,6 +63,80 @@ def adamw(params, tc):
         {"params": [p for p in params if p.dim() >= 2]},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=tc.learning_rate, weight_decay=tc.weight_decay, betas=tuple(tc.adam_betas))
+
+
+# Muon's momentum, and its Newton-Schulz coefficients and steps: a quintic iteration that moves every singular value
+# of a normalized matrix into ~[0.7, 1.2] in 5 steps (Jordan et al., 2024)
+MUON_MOMENTUM = 0.95
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
+    """About U V^T of g's SVD (every singular value -> ~1), by Newton-Schulz on the short side's Gram matrix; in
+    bf16 where the device computes it natively (as Muon does on GPUs), else in fp32."""
+    a, b, c = NEWTON_SCHULZ
+    fast = g.is_cuda or cpu_has_fast_bf16()
+    x = g.to(torch.bfloat16 if fast else torch.float32)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (x.norm() + 1e-7)  # the spectral norm <= the Frobenius norm <= 1: inside the iteration's basin
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * (s @ s)) @ x
+    return (x.T if tall else x).to(g.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al., 2024) for the groups with `muon` set: Nesterov momentum, each update orthogonalized and
+    scaled by 0.2 sqrt(max(rows, cols)), which gives it AdamW's update RMS (Liu et al., 2025, "Muon is scalable"),
+    so train.learning_rate, its schedule and the decoupled weight decay mean what they do for AdamW. The other groups
+    (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
+
+    def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8):
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, muon=False))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                p.mul_(1 - lr * wd)
+                if group["muon"]:
+                    buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.lerp_(g, 1 - MUON_MOMENTUM)
+                    update = orthogonalize(g.lerp(buf, MUON_MOMENTUM))  # Nesterov: the gradient seen through it
+                    p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                    continue
+                b1, b2 = group["betas"]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                state["exp_avg"].lerp_(g, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (state["exp_avg_sq"] / (1 - b2 ** state["step"])).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** state["step"]))
+
+
+def optimizer(model, tc, deepspeed: bool = False):
+    """train.optimizer over the model's trainable parameters: `adamw`, or `muon`: Muon for the hidden matrices (the
+    fc, attention and MLP projections), AdamW for the lm_head (an output layer) and the vectors."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if tc.optimizer == "adamw":
+        return adamw([p for _, p in named], tc)
+    if deepspeed:  # ZeRO hands the optimizer flat shards of the parameters, not matrices
+        raise RecipeError("train.optimizer=muon orthogonalizes whole matrices, which DeepSpeed's ZeRO shards: "
+                          "use train.engine=ddp (or one process) with it")
+    hidden = [p for n, p in named if p.dim() == 2 and "lm_head" not in n and "embed" not in n]
+    ids = {id(p) for p in hidden}
+    rest = [p for _, p in named if id(p) not in ids]
+    groups = [{"params": hidden, "muon": True},
+              {"params": [p for p in rest if p.dim() >= 2]},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    return Muon([g for g in groups if g["params"]], tc.learning_rate, tc.adam_betas, tc.weight_decay)
 
 
 def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):

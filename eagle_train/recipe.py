@@ -241,6 +241,9 @@ class TrainConfig:
     mixed_precision: str = spec("auto", one_of=("auto", "no", "bf16", "fp16"), aliases={False: "no"})
     # peak learning rate
     learning_rate: float = spec(3e-4, check="finite > 0")
+    # adamw, or muon: Muon (orthogonalized momentum, scaled to AdamW's update size, so learning_rate and its schedule
+    # carry over) for the head's hidden matrices, AdamW for its lm_head and vectors; not with DeepSpeed's ZeRO
+    optimizer: str = spec("adamw", one_of=("adamw", "muon"))
     # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
     # AdamW (beta1, beta2), each in [0, 1)

@@ -32,9 +32,9 @@ from eagle_train.batches import (add_targets, batch_indices, draft_vocab_counts,
                                  feature_rms, load_batch, open_data, sample_lengths)
 from eagle_train.draft_vocab import draft_ids_of
 from eagle_train.dump_reader import check_contract, check_targets
-from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, adamw, check_resume_contract,
+from eagle_train.engine import (BUDGET_PROBE, BUDGET_REFIT, LOSS_CAP, WEIGHT_GROWTH, check_resume_contract,
                                 check_weights, deep_restart, find_checkpoint, fit_budget, gather_from_ranks, gathered,
-                                last_sound, log_curve, lr_lambda, make_accelerator, max_abs, param_digest,
+                                last_sound, log_curve, lr_lambda, make_accelerator, max_abs, optimizer, param_digest,
                                 read_checkpoint, save_checkpoint, shared_draft_vocab, trim_curve)
 from eagle_train.errors import CheckpointError, TrainingDiverged
 from eagle_train.features import target_features
@@ -132,7 +132,7 @@ def main(cfg, target=None, stop_after=None):
                       recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk, ttt_rows=tc.ttt_rows,
                       fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = adamw(params, tc)
+    opt = optimizer(model, tc, accelerator.state.deepspeed_plugin is not None)
     # the step counts: the recipe's, lowered by train.budget_minutes where the steps would not fit in it
     plan = SimpleNamespace(max_steps=tc.max_steps, shallow_steps=tc.shallow_steps, fitted=[], eval_s=0.0, save_s=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, plan))

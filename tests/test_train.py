@@ -1,6 +1,7 @@
 """Training: TTT attention == the engines' cache + mask view, learning on tiny and SmolLM2 targets,
 offline (dump) and online modes, exact resume, NaN stop, CLI."""
 
+import copy
 import gzip
 import json
 import time
@@ -801,6 +802,62 @@ def test_weight_decay_pulls_the_matrices_only():
         assert torch.equal(p.detach(), b)
     assert len(adamw(params, SimpleNamespace(learning_rate=0.1, weight_decay=0.0, adam_betas=[0.9, 0.95]))
                .param_groups) == 1
+
+
+def test_muon_orthogonalizes_the_hidden_matrices_and_steps_the_rest_as_adamw():
+    """train.optimizer=muon (engine.optimizer): a hidden matrix moves by an orthogonalized update (every singular value
+    of the step ~ lr * 0.2 sqrt(max(rows, cols)), whatever the gradient's spectrum), the lm_head and the norm gain
+    step exactly as torch's AdamW, the state resumes bit-equal from its state_dict, and DeepSpeed is refused."""
+    from types import SimpleNamespace
+
+    from eagle_train.engine import Muon, optimizer, orthogonalize
+
+    torch.manual_seed(0)
+    g = torch.randn(24, 40) @ torch.diag(torch.logspace(-1, 1, 40))  # column scales over 2 decades
+    s = torch.linalg.svdvals(orthogonalize(g))
+    assert s.min() > 0.6 and s.max() < 1.3, s
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(orthogonalize(g).flatten(), (u @ vh).flatten(), dim=0) > 0.9
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm, self.lm_head = torch.nn.Linear(16, 8, bias=False), torch.nn.RMSNorm(8), \
+                torch.nn.Linear(8, 32, bias=False)
+
+        def forward(self, x):
+            return self.lm_head(self.norm(self.fc(x)))
+
+    tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95])
+    model, twin = Tiny(), Tiny()
+    twin.load_state_dict(model.state_dict())
+    opt = optimizer(model, tc)
+    assert isinstance(opt, Muon) and [gr["muon"] for gr in opt.param_groups] == [True, False, False]
+    ref = torch.optim.AdamW([twin.lm_head.weight, twin.norm.weight], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    x = torch.randn(64, 16)
+    for _ in range(3):
+        before = model.fc.weight.detach().clone()
+        twin.fc.weight.data.copy_(before)  # Muon's fc in both, so the AdamW parameters see the same gradients
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        step = torch.linalg.svdvals(model.fc.weight.detach() - before) / (1e-2 * 0.2 * 16 ** 0.5)
+        assert step.min() > 0.6 and step.max() < 1.3, step
+        assert torch.allclose(model.lm_head.weight, twin.lm_head.weight, atol=1e-6)
+        assert torch.allclose(model.norm.weight, twin.norm.weight, atol=1e-6)
+    resumed = Tiny()
+    resumed.load_state_dict(model.state_dict())
+    opt2 = optimizer(resumed, tc)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint file: no shared tensors
+    for m, o in ((model, opt), (resumed, opt2)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(RecipeError, match="train.optimizer=muon"):
+        optimizer(model, tc, deepspeed=True)
 
 
 def test_fit_budget_shrinks_both_phases_by_one_factor():
