@@ -70,6 +70,7 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
 # Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers").
 # A smaller one (3,000 of 5,600) and train.weight_decay=0.1 tied (bench/RESULTS.md "## Two more phase-A levers").
+# train.optimizer=muon learned faster per step but tied at equal time on an AVX2 box (bench/RESULTS.md "## Muon").
 # The 3-step steps restart their schedule at 5e-4 with fresh AdamW moments: on make full's own dumps and steps,
 # held-out chain tau(3) 1.909 -> 1.953, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
 # (bench/RESULTS.md "## The deep steps' own schedule in `make full`"); at 7e-4 on the same dumps and steps 1.953 ->

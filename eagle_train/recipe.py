@@ -242,7 +242,9 @@ class TrainConfig:
     # peak learning rate
     learning_rate: float = spec(3e-4, check="finite > 0")
     # adamw, or muon: Muon (orthogonalized momentum, scaled to AdamW's update size, so learning_rate and its schedule
-    # carry over) for the head's hidden matrices, AdamW for its lm_head and vectors; not with DeepSpeed's ZeRO
+    # carry over) for the head's hidden matrices, AdamW for its lm_head and vectors; not with DeepSpeed's ZeRO. On the
+    # SmolLM2 head +0.02-0.03 held-out acc_0 at equal steps, but its Newton-Schulz iterations (~0.5 s a step in fp32 on
+    # 2 cores) made it a tie at equal time (bench/RESULTS.md "## Muon for the head's hidden matrices")
     optimizer: str = spec("adamw", one_of=("adamw", "muon"))
     # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
