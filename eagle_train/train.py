@@ -127,18 +127,18 @@ def main(cfg, target=None, stop_after=None):
     def held_out_targets(b):  # always the replies, the target's own distribution, uniform weights: comparable
         return targets(b, "assistant", 1.0, 1.0)
 
+    deepspeed = accelerator.state.deepspeed_plugin is not None
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,
                       recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk, ttt_rows=tc.ttt_rows,
-                      fused=not (accelerator.state.deepspeed_plugin is not None and tc.zero_stage == 3))
+                      fused=not (deepspeed and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(model, tc, accelerator.state.deepspeed_plugin is not None)
+    opt = optimizer(model, tc, deepspeed)
     # the step counts: the recipe's, lowered by train.budget_minutes where the steps would not fit in it
     plan = SimpleNamespace(max_steps=tc.max_steps, shallow_steps=tc.shallow_steps, fitted=[], eval_s=0.0, save_s=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, plan))
     model, opt = accelerator.prepare(model, opt)
     accelerator.register_for_checkpointing(sched)  # stepped by us once per optimizer step
-    deepspeed = accelerator.state.deepspeed_plugin is not None
 
     # resume
     micro, metrics, done = 0, {}, {"tokens": 0, "cpu_s": 0.0, "wall_s": 0.0}
