@@ -59,7 +59,7 @@ def features(L, B):
 
 
 def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged",
-        ttt_rows="1"):
+        ttt_rows="1", step0_rows="loss"):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.heads import build_head
@@ -69,6 +69,9 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     from omegaconf import OmegaConf
 
     ttt.MERGED = ttt.MERGED and attention == "merged"
+    if step0_rows == "all":  # step 0's o_proj and MLP at every position, user turns included (as before)
+        unroll = ttt.ttt_unroll
+        ttt.ttt_unroll = lambda *a: unroll(*a[:7])
     torch.set_num_threads(2)
     model, ids, f = features(L, B)
     head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=8192)), model.config)
@@ -114,7 +117,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
     return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
-            "attention": attention, "ttt_rows": ttt_rows,
+            "attention": attention, "ttt_rows": ttt_rows, "step0_rows": step0_rows,
             "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -134,29 +137,32 @@ def main():
     ap.add_argument("--user-fraction", type=float, default=0.24)
     # train.ttt_rows values to compare ("all": TTT steps >= 1 at every position, as before the option)
     ap.add_argument("--ttt-rows", nargs="+", default=["1"])
-    ap.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
+    # step 0's o_proj and MLP at the positions a loss or a deeper step reads (training's) or at all; both: the ratio
+    ap.add_argument("--step0-rows", choices=["loss", "all", "both"], default="loss")
+    ap.add_argument("--one", nargs=8, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on",
-                             a.one[4] == "on", a.user_fraction, a.one[5], a.one[6])))
+                             a.one[4] == "on", a.user_fraction, a.one[5], a.one[6], a.one[7])))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    for fu, at, tr in [(fu, at, tr) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
-                                       for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
-                                       for tr in a.ttt_rows]:
-                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at, tr,
+                    for fu, at, tr, s0 in [(fu, at, tr, s0) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
+                                           for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
+                                           for tr in a.ttt_rows
+                                           for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])]:
+                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at, tr, s0,
                                               "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
                                               str(a.user_fraction)], capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
     lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | TTT attention | "
-             "ttt_rows | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 12 + "|"]
+             "ttt_rows | step-0 MLP rows | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 13 + "|"]
     lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
-              f"{r['attention']} | {r['ttt_rows']} | {r['tokens_per_s']:.0f} | "
+              f"{r['attention']} | {r['ttt_rows']} | {r['step0_rows']} | {r['tokens_per_s']:.0f} | "
               f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for L in a.lengths:
@@ -164,11 +170,18 @@ def main():
             for prec in a.precisions:  # each train.ttt_rows value against the first one listed
                 tr = {r["ttt_rows"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
                       and r["precision"] == prec and r["recompute"] == rows[0]["recompute"]
+                      and r["step0_rows"] == rows[0]["step0_rows"]
                       and r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
                 checks += [f"L={L}, ttt_steps={steps}, {prec}: ttt_rows {v} / {a.ttt_rows[0]} tokens/s = "
                            f"{tr[v] / tr[a.ttt_rows[0]]:.2f}" for v in a.ttt_rows[1:] if v in tr and a.ttt_rows[0] in tr]
+                s0 = {r["step0_rows"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                      and r["precision"] == prec and r["ttt_rows"] == rows[0]["ttt_rows"]}
+                if {"loss", "all"} <= set(s0):
+                    checks.append(f"L={L}, ttt_steps={steps}, {prec}: step-0 MLP at the read rows / at all rows "
+                                  f"tokens/s = {s0['loss'] / s0['all']:.2f}")
             same = [r for r in rows if r["L"] == L and r["ttt_steps"] == steps
-                    and r["recompute"] == rows[0]["recompute"] and r["ttt_rows"] == rows[0]["ttt_rows"]]
+                    and r["recompute"] == rows[0]["recompute"] and r["ttt_rows"] == rows[0]["ttt_rows"]
+                    and r["step0_rows"] == rows[0]["step0_rows"]]
             t = {r["precision"]: r["tokens_per_s"] for r in same
                  if r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
             if {"fp32", "bf16"} <= set(t):
@@ -187,7 +200,7 @@ def main():
     for L in a.lengths:
         m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
              and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]
-             and r["ttt_rows"] == rows[0]["ttt_rows"]
+             and r["ttt_rows"] == rows[0]["ttt_rows"] and r["step0_rows"] == rows[0]["step0_rows"]
              and r["attention"] == rows[0]["attention"]}
         if not {1, 3, 7} <= set(m):
             continue

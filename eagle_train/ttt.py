@@ -242,14 +242,16 @@ def _ttt_attention(q, k0, v0, ks, vs, recompute, mask):
     return ttt_attention(q, k0, v0, ks, vs, mask)
 
 
-def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True, deep_rows=None):
+def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = True, deep_rows=None, rows0=None):
     """Yield (out (B, n, H), logits (B, n, Vd)) of TTT steps 0..steps-1 for n = L-1 positions:
     step s at position t reads (token_{t+1+s}, step s-1's out at t) and predicts token_{t+2+s}.
     `recompute`: steps >= 1 recompute their attention in backward rather than keep its n x n scores.
     `project=False` yields head.norm(out) in place of the logits (the fused loss applies the lm_head).
     `deep_rows` (b, t), two (M,) index tensors ordered by b: steps >= 1 run at those M (sample, position) pairs
     only, packed into one row, and yield (1, M, ...). A position's deeper steps read nothing of another
-    position's but step 0's keys, so they are the same as in the full unroll."""
+    position's but step 0's keys, so they are the same as in the full unroll.
+    `rows0` (B, n) bool: step 0's o_proj and MLP run at those positions only, and its out is 0 at the others
+    (the positions no loss and no deeper step reads: the rest of a position's step 0 is only its keys)."""
     mid = head.midlayer
     attn = mid.self_attn
     hidden = head.fc(aux[:, :-1].to(head.fc.weight.dtype))  # feature_t, t = 0..n-1
@@ -268,8 +270,12 @@ def ttt_unroll(head, ids, aux, steps, recompute: bool = False, project: bool = T
                             for b, (a, e) in enumerate(zip([0] + ends[:-1], ends)) if e > a]
         cos, sin = head.rotary(hidden, pos + s)
         q, k, v = attn.qkv(mid.attn_input(head.embed_tokens(tok).to(hidden.dtype), hidden), cos, sin)
-        o = ttt_step_attention(q, k, v, keys, recompute, segments)
-        out = mid.finish(hidden, attn.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:2], -1)))
+        o = ttt_step_attention(q, k, v, keys, recompute, segments).transpose(1, 2).reshape(*hidden.shape[:2], -1)
+        if s == 0 and rows0 is not None:
+            at = rows0.nonzero(as_tuple=True)
+            out = hidden.new_zeros(hidden.shape).index_put(at, mid.finish(hidden[at], attn.o_proj(o[at])))
+        else:
+            out = mid.finish(hidden, attn.o_proj(o))
         yield out, head.lm_head(head.norm(out)) if project else head.norm(out)
         hidden = out
 
@@ -313,12 +319,17 @@ class DraftLoss(nn.Module):
         alive = chain = None  # (B, n): every earlier step had the target's top-1 in its top-k / as its top-1
         n = ids.shape[1] - 1
         deep = self.deep_rows(valid_tok, n, steps) if steps > 1 else None
+        # step 0's MLP where its loss or a deeper step reads it: a user turn's positions give only their keys (29%
+        # of phase A's rows, ~10% of a 1-step step's FLOPs)
+        rows0 = shift(valid_tok, 2)[:, :n].bool()
+        if deep is not None:
+            rows0[deep] = True
 
         def sub(x):  # (B, n, ...) -> (1, M, ...) at the deep steps' (sample, position) pairs
             return x[deep][None]
 
         for s, (out, y) in enumerate(ttt_unroll(head, ids, aux, steps, self.recompute_attention, not self.fused,
-                                                deep)):
+                                                deep, rows0)):
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n]
             weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight

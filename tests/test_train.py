@@ -203,6 +203,55 @@ def test_deep_steps_run_only_where_they_train(monkeypatch):
     assert all(torch.equal(a, r) for a, r in zip(seen[-1], rows))
 
 
+@pytest.mark.parametrize("steps,fused", [(1, True), (3, True), (3, False)])
+def test_step0_mlp_runs_only_where_a_loss_or_deeper_step_reads_it(monkeypatch, steps, fused):
+    """DraftLoss runs step 0's o_proj and MLP only at the positions its loss or a deeper TTT step reads (a user
+    turn's positions give only their keys): loss, accuracy counts and every gradient equal running it at every
+    position, with the fused loss and the plain logits, 1 and 3 TTT steps, while training and in evaluation."""
+    import copy
+
+    import eagle_train.ttt as ttt
+    torch.manual_seed(0)
+    V, B, L = 60, 3, 64
+    n = L - 1
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
+    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
+    valid = (torch.rand(B, L) > 0.2) & (torch.arange(L) >= torch.tensor([[8], [30], [20]]))  # user turns first
+    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": (ids, probs / probs.sum(-1, keepdim=True)),
+         "aux": torch.randn(B, L, 96), "top1": ids[..., 0]}
+    unroll = ttt.ttt_unroll
+
+    def run(everywhere, training):
+        if everywhere:  # rows0 dropped: step 0 at every position
+            monkeypatch.setattr(ttt, "ttt_unroll", lambda *a: unroll(*a[:7]))
+        h = copy.deepcopy(head)
+        mlp_rows = []
+        h.midlayer.mlp.register_forward_hook(lambda m, x, y: mlp_rows.append(x[0].shape[:-1].numel()))
+        loss_fn = DraftLoss(h, ttt_steps=steps, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
+                            fused=fused, ttt_rows=0.5)
+        loss_fn.train(training)
+        torch.manual_seed(1)  # the same half of the deep rows in both runs
+        loss, stats = loss_fn(b)
+        if training:
+            loss.backward()
+        monkeypatch.setattr(ttt, "ttt_unroll", unroll)
+        return loss.detach(), stats, {k: q.grad for k, q in h.named_parameters() if q.grad is not None}, mlp_rows
+
+    for training in (True, False):
+        (loss, stats, grads, rows), (ref, ref_stats, ref_grads, ref_rows) = run(False, training), run(True, training)
+        assert ref_rows[0] == B * n and rows[0] < 0.8 * B * n, (rows, ref_rows)  # the user turns dropped out
+        assert rows[1:] == ref_rows[1:]  # deeper steps untouched
+        torch.testing.assert_close(loss, ref)
+        assert stats.keys() == ref_stats.keys() and len(stats) == 2 * steps - 1
+        for k in stats:
+            assert torch.equal(stats[k], ref_stats[k]), k
+        assert grads.keys() == ref_grads.keys() and (len(grads) > 0) == training
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("target,mask", [("sparse", 0), ("dense", 0), ("sparse", 3), ("dense", 1)])
 def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target, mask):
     """DraftLoss(fused=True) (the lm_head and the soft CE chunk by chunk on the valid rows only, gradients formed
