@@ -86,8 +86,12 @@ DEEP_LR ?= train.deep_learning_rate=1e-3
 # of the positions (2,201 steps) 1.964 (session 50, bench/RESULTS.md "## TTT steps >= 1 at half the positions").
 # A clean clone with it: 115.0 min, 1,680 of them, held-out 1.969, MT-bench chain of 4 on 40 x 2 1.93 (session 51)
 TTT_ROWS ?= train.ttt_rows=0.5
+# The head's MLP at half the target's width (768 of 1,536 units): a 1-step step 1.04 -> 0.94 s, a 3-step one 1.90
+# -> 1.69 s, and in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.693 -> 1.709 (384 units: 1.697;
+# bench/RESULTS.md "## The head's MLP at half width", session 54); not yet through a bf16 box's `make full`
+MLP ?= head.intermediate_size=768
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
-      $(DEEP_LR) $(TTT_ROWS) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
+      $(DEEP_LR) $(TTT_ROWS) $(MLP) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
