@@ -156,22 +156,27 @@ def test_ttt_deep_rows_equal_the_full_unroll(monkeypatch, merged):
         torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-4, rtol=1e-4)
 
 
+def head_and_user_turn_batch(B, L, V=60):
+    """A small EAGLE-3 head and a sparse-target batch of B rows whose first positions are user turns (no loss)."""
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
+    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
+    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
+    valid = (torch.rand(B, L) > 0.2) & (torch.arange(L) >= torch.tensor([[8], [30], [20]]))  # user turns first
+    return head, {"input_ids": torch.randint(0, V, (B, L)), "valid": valid,
+                  "p": (ids, probs / probs.sum(-1, keepdim=True)), "aux": torch.randn(B, L, 96), "top1": ids[..., 0]}
+
+
 def test_deep_steps_run_only_where_they_train(monkeypatch):
     """DraftLoss runs TTT steps >= 1 only at the positions where one of them trains (the user turns and the rest
     drop out): loss, accuracy counts and gradients equal running them everywhere. train.ttt_rows=0.5 runs them at
     about half of those while training, evaluation (eval()) at all of them."""
     import copy
 
-    torch.manual_seed(0)
-    V, B, L = 60, 3, 64
+    B, L = 3, 64
     n = L - 1
-    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
-    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
-    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
-    valid = (torch.rand(B, L) > 0.2) & (torch.arange(L) >= torch.tensor([[8], [30], [20]]))  # user turns first
-    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": (ids, probs / probs.sum(-1, keepdim=True)),
-         "aux": torch.randn(B, L, 96), "top1": ids[..., 0]}
+    head, b = head_and_user_turn_batch(B, L)
     seen = []
 
     def run(everywhere=False, share=1.0, training=True):
@@ -211,16 +216,9 @@ def test_step0_mlp_runs_only_where_a_loss_or_deeper_step_reads_it(monkeypatch, s
     import copy
 
     import eagle_train.ttt as ttt
-    torch.manual_seed(0)
-    V, B, L = 60, 3, 64
+    B, L = 3, 64
     n = L - 1
-    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layers=[1, 2, 3]))
-    logp = torch.log_softmax(torch.randn(B, L, V) * 3, -1).sort(-1, descending=True)
-    ids, probs = logp.indices[..., :8], logp.values[..., :8].exp()
-    valid = (torch.rand(B, L) > 0.2) & (torch.arange(L) >= torch.tensor([[8], [30], [20]]))  # user turns first
-    b = {"input_ids": torch.randint(0, V, (B, L)), "valid": valid, "p": (ids, probs / probs.sum(-1, keepdim=True)),
-         "aux": torch.randn(B, L, 96), "top1": ids[..., 0]}
+    head, b = head_and_user_turn_batch(B, L)
     unroll = ttt.ttt_unroll
 
     def run(everywhere, training):
