@@ -150,12 +150,13 @@ def main():
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    for fu, at, tr, s0 in [(fu, at, tr, s0) for fu in (["off", "on"] if a.fused == "both" else [a.fused])
+                    for fu, at, tr, s0 in [(fu, at, tr, s0)
+                                           for fu in (["off", "on"] if a.fused == "both" else [a.fused])
                                            for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
                                            for tr in a.ttt_rows
                                            for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])]:
-                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at, tr, s0,
-                                              "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
+                        out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
+                                              tr, s0, "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
                                               str(a.user_fraction)], capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
