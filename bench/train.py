@@ -156,8 +156,9 @@ def main():
                                            for tr in a.ttt_rows
                                            for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])]:
                         out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
-                                              tr, s0, "--batch", str(a.batch), "--iters", str(a.iters), "--user-fraction",
-                                              str(a.user_fraction)], capture_output=True, text=True, check=True)
+                                              tr, s0, "--batch", str(a.batch), "--iters", str(a.iters),
+                                              "--user-fraction", str(a.user_fraction)],
+                                             capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
     lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | TTT attention | "
