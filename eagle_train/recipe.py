@@ -203,7 +203,7 @@ class HeadConfig:
     draft_vocab_counts: str = spec("replies", one_of=("replies", "target_top1"))
     # MLP width of the draft decoder layer (None: the target's). Wider than a head.init folder's: new units
     # start with zero down_proj columns (the head computes what it did)
-    intermediate_size: Optional[int] = None
+    intermediate_size: Optional[int] = spec(None, check="> 0")
     # initial weights: none (random draft layer and lm_head), lm_head (EAGLE-3 norm + lm_head start
     # from the target's final norm and lm_head rows of the draft vocabulary), last_layer (lm_head, plus
     # the draft layer from the target's last decoder layer; starts by predicting token t+1, the one

@@ -320,7 +320,7 @@ class DraftLoss(nn.Module):
         n = ids.shape[1] - 1
         deep = self.deep_rows(valid_tok, n, steps) if steps > 1 else None
         # step 0's MLP where its loss or a deeper step reads it: a user turn's positions give only their keys (29%
-        # of phase A's rows, ~10% of a 1-step step's FLOPs)
+        # of phase A's rows; a 1-step step 1.07x faster, bench/RESULTS.md "## The head's MLP at half width")
         rows0 = shift(valid_tok, 2)[:, :n].bool()
         if deep is not None:
             rows0[deep] = True

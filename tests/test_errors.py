@@ -512,6 +512,8 @@ CASES += [
                                              f"eval.output={c}/eval"],
      r"`eval\.sweep_trees\[1\]` = \[4, 4\] must be \[topk, depth, num_draft_tokens\]"),
     ("eval-max-prompts-zero", eval_as("eval.max_prompts=0"), r"`eval\.max_prompts` = 0 must be > 0"),
+    ("head-mlp-width-zero", lambda w, c: train_online(w, c, "head.intermediate_size=0"),
+     r"`head\.intermediate_size` = 0 must be > 0"),
     ("prep-output-is-a-file", output_is_a_file("prep", "data.output"), r"`data\.output` = '.*/f' is an existing file"),
     ("export-output-is-a-file", output_is_a_file("export", "hub.export_dir"),
      r"`hub\.export_dir` = '.*/f' is an existing file"),
