@@ -173,6 +173,8 @@ def main(cfg, target=None, stop_after=None):
         metrics.update({k.replace("eval/", "eval0/"): v
                         for k, v in evaluate(model, accelerator, held_out, held_out_targets).items()})
         log_curve(accelerator, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
+        accelerator.print("[train] step 0 (the untrained head): "
+                          + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval0/")))
         plan.eval_s = time.perf_counter() - t_eval
     lengths = sample_lengths(ds) if tc.length_buckets else None
 
@@ -242,7 +244,7 @@ def main(cfg, target=None, stop_after=None):
             metrics.update(evaluate(model, accelerator, held_out, held_out_targets))
             accelerator.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)
             accelerator.print(f"[train] step {step}: "
-                              + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "eval" in k))
+                              + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
             log_curve(accelerator, out, step, now, metrics)
             if tc.snapshots and accelerator.is_main_process and not (deepspeed and tc.zero_stage == 3):
                 save_head(trained_head(cfg, tconf, head, accelerator.get_state_dict(model), feature_scale),
