@@ -72,19 +72,23 @@ NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
 
-def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
+def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, block: int = 0) -> torch.Tensor:
     """About U V^T of g's SVD (every singular value -> ~1), by Newton-Schulz on the short side's Gram matrix; in
-    bf16 where the device computes it natively (as Muon does on GPUs), else in fp32."""
+    bf16 where the device computes it natively (as Muon does on GPUs), else in fp32. `block` > 0: each run of
+    `block` rows on its own (one attention head's rows of q/k/v at the head size), a batched iteration ~rows/block
+    times cheaper than the whole matrix's; a matrix it does not divide goes whole."""
     a, b, c = NEWTON_SCHULZ
     fast = g.is_cuda or cpu_has_fast_bf16()
     x = g.to(torch.bfloat16 if fast else torch.float32)
-    tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x
-    x = x / (x.norm() + 1e-7)  # the spectral norm <= the Frobenius norm <= 1: inside the iteration's basin
+    if 0 < block < x.shape[0] and x.shape[0] % block == 0:
+        x = x.reshape(-1, block, x.shape[1])
+    tall = x.shape[-2] > x.shape[-1]
+    x = x.mT if tall else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the basin
     for _ in range(steps):
-        s = x @ x.T
+        s = x @ x.mT
         x = a * x + (b * s + c * (s @ s)) @ x
-    return (x.T if tall else x).to(g.dtype)
+    return (x.mT if tall else x).reshape(g.shape).to(g.dtype)
 
 
 class Muon(torch.optim.Optimizer):
@@ -93,8 +97,10 @@ class Muon(torch.optim.Optimizer):
     so train.learning_rate, its schedule and the decoupled weight decay mean what they do for AdamW. The other groups
     (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
 
-    def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8):
+    def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8,
+                 ns_steps: int = NS_STEPS, block: int = 0):
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, muon=False))
+        self.ns_steps, self.block = ns_steps, block
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -108,7 +114,9 @@ class Muon(torch.optim.Optimizer):
                 if group["muon"]:
                     buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
                     buf.lerp_(g, 1 - MUON_MOMENTUM)
-                    update = orthogonalize(g.lerp(buf, MUON_MOMENTUM))  # Nesterov: the gradient seen through it
+                    # Nesterov: the gradient seen through the momentum. A blocked update keeps the whole matrix's
+                    # scale (as measured): AdamW's RMS for a wide matrix, 15% above it for the MLP's tall gate/up
+                    update = orthogonalize(g.lerp(buf, MUON_MOMENTUM), self.ns_steps, self.block)
                     p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
                     continue
                 b1, b2 = group["betas"]
@@ -136,7 +144,8 @@ def optimizer(model, tc, deepspeed: bool = False):
     groups = [{"params": hidden, "muon": True},
               {"params": [p for p in rest if p.dim() >= 2]},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    return Muon([g for g in groups if g["params"]], tc.learning_rate, tc.adam_betas, tc.weight_decay)
+    return Muon([g for g in groups if g["params"]], tc.learning_rate, tc.adam_betas, tc.weight_decay,
+                ns_steps=tc.muon_ns_steps, block=tc.muon_block)
 
 
 def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):

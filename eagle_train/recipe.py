@@ -243,9 +243,15 @@ class TrainConfig:
     learning_rate: float = spec(3e-4, check="finite > 0")
     # adamw, or muon: Muon (orthogonalized momentum, scaled to AdamW's update size, so learning_rate and its schedule
     # carry over) for the head's hidden matrices, AdamW for its lm_head and vectors; not with DeepSpeed's ZeRO. On the
-    # SmolLM2 head +0.02-0.03 held-out acc_0 at equal steps, but its Newton-Schulz iterations (~0.5 s a step in fp32 on
-    # 2 cores) made it a tie at equal time (bench/RESULTS.md "## Muon for the head's hidden matrices")
+    # SmolLM2 head +0.02-0.03 held-out acc_0 at equal steps; whole matrices' Newton-Schulz iterations (~0.3-0.5 s a
+    # step in fp32 on 2 cores) made it a tie at equal time, blocks of 64 rows (muon_block) a win (bench/RESULTS.md
+    # "## Muon in blocks of 64 rows")
     optimizer: str = spec("adamw", one_of=("adamw", "muon"))
+    # Muon's Newton-Schulz iterations per update (5: every singular value into ~[0.7, 1.2]; 3: cheaper, rougher)
+    muon_ns_steps: int = spec(5, check="> 0")
+    # Muon orthogonalizes each run of this many rows of a matrix on its own (64: one attention head's rows of q/k/v;
+    # ~5x cheaper on the SmolLM2 head's matrices), 0: whole matrices
+    muon_block: int = spec(0, check=">= 0")
     # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
     # AdamW (beta1, beta2), each in [0, 1)

@@ -875,7 +875,8 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_steps_the_rest_as_adamw():
         def forward(self, x):
             return self.lm_head(self.norm(self.fc(x)))
 
-    tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95])
+    tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95],
+                         muon_ns_steps=5, muon_block=0)
     model, twin = Tiny(), Tiny()
     twin.load_state_dict(model.state_dict())
     opt = optimizer(model, tc)
@@ -905,6 +906,40 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_steps_the_rest_as_adamw():
         assert torch.equal(a, b)
     with pytest.raises(RecipeError, match="train.optimizer=muon"):
         optimizer(model, tc, deepspeed=True)
+
+
+def test_muon_blocks_orthogonalize_each_run_of_rows_alone():
+    """train.muon_block: each run of `block` rows is orthogonalized on its own (equal to that block alone, every
+    singular value ~1, the blocks not orthogonal to each other), a matrix the block does not divide goes whole;
+    train.muon_ns_steps reaches the optimizer, and fewer iterations leave the small singular values lower."""
+    from types import SimpleNamespace
+
+    from eagle_train.engine import optimizer, orthogonalize
+
+    torch.manual_seed(0)
+    g = torch.randn(24, 40) @ torch.diag(torch.logspace(-1, 1, 40))
+    u = orthogonalize(g, block=8)
+    for i in range(0, 24, 8):
+        assert torch.allclose(u[i:i + 8], orthogonalize(g[i:i + 8]), atol=1e-5)
+        s = torch.linalg.svdvals(u[i:i + 8])
+        assert s.min() > 0.6 and s.max() < 1.3, s
+    assert torch.linalg.svdvals(u).max() > 1.3  # stacked, the blocks share directions: not one orthogonal matrix
+    tall = torch.randn(48, 12)  # blocks of 8 x 12 rows, each orthogonalized on its short side
+    assert torch.allclose(orthogonalize(tall, block=8)[8:16], orthogonalize(tall[8:16]), atol=1e-5)
+    assert torch.equal(orthogonalize(g[:20], block=8), orthogonalize(g[:20]))  # 8 does not divide 20
+    assert torch.linalg.svdvals(orthogonalize(g, steps=3)).min() < torch.linalg.svdvals(orthogonalize(g)).min()
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+    tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95],
+                         muon_ns_steps=3, muon_block=4)
+    opt = optimizer(model, tc)
+    assert (opt.ns_steps, opt.block) == (3, 4)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(32, 16)).square().mean().backward()
+    opt.step()
+    grad = model[0].weight.grad  # first step: the Nesterov update is the gradient scaled, which orthogonalize ignores
+    expect = before - 1e-2 * 0.2 * 16 ** 0.5 * orthogonalize(grad, 3, 4)
+    assert torch.allclose(model[0].weight.detach(), expect, atol=1e-6)
 
 
 def test_fit_budget_shrinks_both_phases_by_one_factor():
