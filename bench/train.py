@@ -11,7 +11,9 @@ ShareGPT text whose first `--user-fraction` of each row is masked out of the los
 (0.24: the 2-hour recipe's corpus trains on 76% of its tokens), with the fused lm_head + loss (`--fused on`,
 what training uses) or the plain logits -> soft CE (`off`; `both` prints the fused / plain ratio), TTT steps >= 1
 through the merged flash attention (`--attention merged`, what training uses on a CPU) or the dense softmax
-(`dense`; `both` prints the merged / dense ratio), the
+(`dense`; `both` prints the merged / dense ratio), with `--optimizers` (adamw, or
+muon[:Newton-Schulz steps[:rows per block]]: the step time of each over the first's) and `--mlp` (the head's MLP
+width), the
 activation memory autograd keeps for backward (bytes of saved tensors, deduplicated by storage), and the
 process peak RSS. Each setting runs in its own process so peaks
 do not mix. Activation memory must grow linearly in steps: the check compares the 1->3 and 3->7
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -59,9 +62,10 @@ def features(L, B):
 
 
 def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged",
-        ttt_rows="1", step0_rows="loss"):
+        ttt_rows="1", step0_rows="loss", opt_name="adamw", mlp=0):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
+    from eagle_train.engine import optimizer
     from eagle_train.heads import build_head
     from eagle_train.recipe import HeadConfig, TrainConfig
     import eagle_train.ttt as ttt
@@ -74,7 +78,8 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
         ttt.ttt_unroll = lambda *a: unroll(*a[:7])
     torch.set_num_threads(2)
     model, ids, f = features(L, B)
-    head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=8192)), model.config)
+    head = build_head(OmegaConf.structured(HeadConfig(draft_vocab_size=8192, intermediate_size=mlp or None)),
+                      model.config)
     head.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
     counts = torch.bincount(ids.flatten(), minlength=model.config.vocab_size)
     head.set_draft_vocab(*build_draft_vocab(counts, 8192))
@@ -93,7 +98,9 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     loss_mask[:, :int(L * user_fraction)] = 0
     b = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids), **f}
     b = add_targets(b, "eagle3", None, draft, t2d_index)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    kind, ns, block = (opt_name.split(":") + ["5", "0"])[:3]  # adamw, or muon[:ns_steps[:block]]
+    opt = optimizer(head, SimpleNamespace(optimizer=kind, learning_rate=1e-4, weight_decay=0.0, adam_betas=[0.9, 0.95],
+                                          muon_ns_steps=int(ns), muon_block=int(block)))
     del model
 
     saved = {}
@@ -117,7 +124,8 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
     return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
-            "attention": attention, "ttt_rows": ttt_rows, "step0_rows": step0_rows,
+            "attention": attention, "ttt_rows": ttt_rows, "step0_rows": step0_rows, "optimizer": opt_name,
+            "mlp": mlp or "target's",
             "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -125,7 +133,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--lengths", type=int, nargs=2, default=[256, 512])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--steps", type=int, nargs="+", default=[1, 3, 7])
@@ -139,34 +147,49 @@ def main():
     ap.add_argument("--ttt-rows", nargs="+", default=["1"])
     # step 0's o_proj and MLP at the positions a loss or a deeper step reads (training's) or at all; both: the ratio
     ap.add_argument("--step0-rows", choices=["loss", "all", "both"], default="loss")
-    ap.add_argument("--one", nargs=8, help=argparse.SUPPRESS)
+    # train.optimizer settings to compare: adamw, or muon[:muon_ns_steps[:muon_block]] (muon = muon:5:0)
+    ap.add_argument("--optimizers", nargs="+", default=["adamw"])
+    # head.intermediate_size (0: the target's, 1,536)
+    ap.add_argument("--mlp", type=int, default=0)
+    ap.add_argument("--one", nargs=9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(one(int(a.one[0]), int(a.one[1]), a.batch, a.iters, a.one[2], a.one[3] == "on",
-                             a.one[4] == "on", a.user_fraction, a.one[5], a.one[6], a.one[7])))
+                             a.one[4] == "on", a.user_fraction, a.one[5], a.one[6], a.one[7], a.one[8], a.mlp)))
         return
     rows = []
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # alternated per setting, so load changes hit both alike
                 for rc in (["off", "on"] if a.recompute == "both" else [a.recompute]):
-                    for fu, at, tr, s0 in [(fu, at, tr, s0)
-                                           for fu in (["off", "on"] if a.fused == "both" else [a.fused])
-                                           for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
-                                           for tr in a.ttt_rows
-                                           for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])]:
+                    for fu, at, tr, s0, op in [(fu, at, tr, s0, op)
+                                               for fu in (["off", "on"] if a.fused == "both" else [a.fused])
+                                               for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
+                                               for tr in a.ttt_rows
+                                               for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])
+                                               for op in a.optimizers]:
                         out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
-                                              tr, s0, "--batch", str(a.batch), "--iters", str(a.iters),
-                                              "--user-fraction", str(a.user_fraction)],
+                                              tr, s0, op, "--batch", str(a.batch), "--iters", str(a.iters),
+                                              "--user-fraction", str(a.user_fraction), "--mlp", str(a.mlp)],
                                              capture_output=True, text=True, check=True)
                         rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "recompute": rc})
                         print(rows[-1], flush=True)
     lines = ["| seq len | batch | ttt_steps | precision | recompute attention | fused loss | TTT attention | "
-             "ttt_rows | step-0 MLP rows | tokens/s | s/step | activations (MiB) | peak RSS (MiB) |", "|---" * 13 + "|"]
+             "ttt_rows | step-0 MLP rows | MLP units | optimizer | tokens/s | s/step | activations (MiB) | "
+             "peak RSS (MiB) |", "|---" * 15 + "|"]
     lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
-              f"{r['attention']} | {r['ttt_rows']} | {r['step0_rows']} | {r['tokens_per_s']:.0f} | "
-              f"{r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | {r['peak_rss_mib']:.0f} |" for r in rows]
+              f"{r['attention']} | {r['ttt_rows']} | {r['step0_rows']} | {r['mlp']} | {r['optimizer']} | "
+              f"{r['tokens_per_s']:.0f} | {r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | "
+              f"{r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
+    for r in rows:  # each optimizer against the first one listed, in the same setting
+        first = [q for q in rows if q["optimizer"] == a.optimizers[0] and all(
+            q[k] == r[k] for k in ("L", "ttt_steps", "precision", "recompute", "fused", "attention", "ttt_rows",
+                                   "step0_rows"))]
+        if r["optimizer"] != a.optimizers[0] and first:
+            checks.append(f"L={r['L']}, ttt_steps={r['ttt_steps']}, {r['precision']}: optimizer {r['optimizer']} / "
+                          f"{a.optimizers[0]} s/step = {r['sec_per_step'] / first[0]['sec_per_step']:.2f}")
+    rows = [r for r in rows if r["optimizer"] == a.optimizers[0]]  # the other comparisons at the first optimizer
     for L in a.lengths:
         for steps in a.steps:
             for prec in a.precisions:  # each train.ttt_rows value against the first one listed
