@@ -134,6 +134,9 @@ def optimizer(model, tc, deepspeed: bool = False):
     fc, attention and MLP projections), AdamW for the lm_head (an output layer) and the vectors."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
+        if tc.muon_block or tc.muon_ns_steps != NS_STEPS:  # a Muon option that would do nothing
+            raise RecipeError(f"`train.muon_block` = {tc.muon_block} / `train.muon_ns_steps` = {tc.muon_ns_steps} "
+                              "are Muon's, but train.optimizer=adamw: set train.optimizer=muon, or leave them out")
         return adamw([p for _, p in named], tc)
     if deepspeed:  # ZeRO hands the optimizer flat shards of the parameters, not matrices
         raise RecipeError("train.optimizer=muon orthogonalizes whole matrices, which DeepSpeed's ZeRO shards: "

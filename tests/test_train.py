@@ -940,6 +940,8 @@ def test_muon_blocks_orthogonalize_each_run_of_rows_alone():
     grad = model[0].weight.grad  # first step: the Nesterov update is the gradient scaled, which orthogonalize ignores
     expect = before - 1e-2 * 0.2 * 16 ** 0.5 * orthogonalize(grad, 3, 4)
     assert torch.allclose(model[0].weight.detach(), expect, atol=1e-6)
+    with pytest.raises(RecipeError, match="train.muon_block. = 4 .* train.optimizer=adamw"):
+        optimizer(model, SimpleNamespace(**{**vars(tc), "optimizer": "adamw"}))  # a Muon option doing nothing
 
 
 def test_fit_budget_shrinks_both_phases_by_one_factor():
