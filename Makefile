@@ -70,7 +70,8 @@ MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversat
 # 0.502 for batches of 8 (bench/RESULTS.md "## `make full` with batches of 4")
 # Batches of 2 and a larger 1-step share (4,400 of 5,600) both lost here (bench/RESULTS.md "## Two phase-A levers").
 # A smaller one (3,000 of 5,600) and train.weight_decay=0.1 tied (bench/RESULTS.md "## Two more phase-A levers").
-# train.optimizer=muon learned faster per step but tied at equal time on an AVX2 box (bench/RESULTS.md "## Muon").
+# train.optimizer=muon over whole matrices learned faster per step but tied at equal time on an AVX2 box
+# (bench/RESULTS.md "## Muon for the head's hidden matrices"); see OPT below.
 # The 3-step steps restart their schedule at 5e-4 with fresh AdamW moments: on make full's own dumps and steps,
 # held-out chain tau(3) 1.909 -> 1.953, MT-bench chain of 4 1.93 -> 1.97; a lower ttt_decay (0.5) tied
 # (bench/RESULTS.md "## The deep steps' own schedule in `make full`"); at 7e-4 on the same dumps and steps 1.953 ->
@@ -90,8 +91,13 @@ TTT_ROWS ?= train.ttt_rows=0.5
 # -> 1.69 s, and in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.693 -> 1.709 (384 units: 1.697;
 # bench/RESULTS.md "## The head's MLP at half width", session 54); not yet through a bf16 box's `make full`
 MLP ?= head.intermediate_size=768
+# Muon for the head's hidden matrices, each run of 64 rows (one attention head's q/k/v rows) orthogonalized on its
+# own: the Newton-Schulz iterations ~65 ms a step where whole matrices took ~330 ms, and Muon's per-step lead kept;
+# in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.709 -> 1.741 (whole matrices, 3 iterations:
+# 1.726; bench/RESULTS.md "## Muon in blocks of 64 rows", session 55); not yet through a bf16 box's `make full`
+OPT ?= train.optimizer=muon train.muon_block=64
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
-      $(DEEP_LR) $(TTT_ROWS) $(MLP) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
+      $(DEEP_LR) $(TTT_ROWS) $(MLP) $(OPT) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \
        target.dtype=auto regen.max_turns=1 regen.max_new_tokens=384 regen.batch_size=16 regen.shard_size=32
 PB ?= regen.enabled=true train.output=$(OUT)/train-own head.init=$(OUT)/train/final train.eval_dump=$(OUT)/dump \
