@@ -173,7 +173,7 @@ def main(cfg, target=None, stop_after=None):
         metrics.update({k.replace("eval/", "eval0/"): v
                         for k, v in evaluate(model, accelerator, held_out, held_out_targets).items()})
         log_curve(accelerator, out, 0, done, {k.replace("eval0/", "eval/"): v for k, v in metrics.items()})
-        accelerator.print("[train] step 0 (the untrained head): "
+        accelerator.print("[train] step 0 (the head before training): "
                           + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval0/")))
         plan.eval_s = time.perf_counter() - t_eval
     lengths = sample_lengths(ds) if tc.length_buckets else None
