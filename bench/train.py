@@ -100,7 +100,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     b = add_targets(b, "eagle3", None, draft, t2d_index)
     kind, ns, block = (opt_name.split(":") + ["5", "0"])[:3]  # adamw, or muon[:ns_steps[:block]]
     opt = optimizer(head, SimpleNamespace(optimizer=kind, learning_rate=1e-4, weight_decay=0.0, adam_betas=[0.9, 0.95],
-                                          muon_ns_steps=int(ns), muon_block=int(block)))
+                                          muon_ns_steps=int(ns), muon_block=int(block), muon_scale=0.2))
     del model
 
     saved = {}

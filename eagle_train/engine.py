@@ -98,9 +98,9 @@ class Muon(torch.optim.Optimizer):
     (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
 
     def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8,
-                 ns_steps: int = NS_STEPS, block: int = 0):
+                 ns_steps: int = NS_STEPS, block: int = 0, scale: float = 0.2):
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, muon=False))
-        self.ns_steps, self.block = ns_steps, block
+        self.ns_steps, self.block, self.scale = ns_steps, block, scale
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -117,7 +117,7 @@ class Muon(torch.optim.Optimizer):
                     # Nesterov: the gradient seen through the momentum. A blocked update keeps the whole matrix's
                     # scale (as measured): AdamW's RMS for a wide matrix, 15% above it for the MLP's tall gate/up
                     update = orthogonalize(g.lerp(buf, MUON_MOMENTUM), self.ns_steps, self.block)
-                    p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                    p.add_(update, alpha=-lr * self.scale * math.sqrt(max(p.shape)))
                     continue
                 b1, b2 = group["betas"]
                 if not state:
@@ -134,9 +134,10 @@ def optimizer(model, tc, deepspeed: bool = False):
     fc, attention and MLP projections), AdamW for the lm_head (an output layer) and the vectors."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
-        if tc.muon_block or tc.muon_ns_steps != NS_STEPS:  # a Muon option that would do nothing
-            raise RecipeError(f"`train.muon_block` = {tc.muon_block} / `train.muon_ns_steps` = {tc.muon_ns_steps} "
-                              "are Muon's, but train.optimizer=adamw: set train.optimizer=muon, or leave them out")
+        if tc.muon_block or tc.muon_ns_steps != NS_STEPS or tc.muon_scale != 0.2:  # Muon options doing nothing
+            raise RecipeError(f"`train.muon_block` = {tc.muon_block} / `train.muon_ns_steps` = {tc.muon_ns_steps} / "
+                              f"`train.muon_scale` = {tc.muon_scale} are Muon's, but train.optimizer=adamw: set "
+                              "train.optimizer=muon, or leave them out")
         return adamw([p for _, p in named], tc)
     if deepspeed:  # ZeRO hands the optimizer flat shards of the parameters, not matrices
         raise RecipeError("train.optimizer=muon orthogonalizes whole matrices, which DeepSpeed's ZeRO shards: "
@@ -148,7 +149,7 @@ def optimizer(model, tc, deepspeed: bool = False):
               {"params": [p for p in rest if p.dim() >= 2]},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     return Muon([g for g in groups if g["params"]], tc.learning_rate, tc.adam_betas, tc.weight_decay,
-                ns_steps=tc.muon_ns_steps, block=tc.muon_block)
+                ns_steps=tc.muon_ns_steps, block=tc.muon_block, scale=tc.muon_scale)
 
 
 def fit_budget(plan, step, left_s, step_s, deep_s, extra_s, deep_cap=None):

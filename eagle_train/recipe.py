@@ -252,6 +252,9 @@ class TrainConfig:
     # Muon orthogonalizes each run of this many rows of a matrix on its own (64: one attention head's rows of q/k/v;
     # ~5x cheaper on the SmolLM2 head's matrices), 0: whole matrices
     muon_block: int = spec(0, check=">= 0")
+    # Muon's update is scaled by muon_scale * sqrt(max(rows, cols)): 0.2 gives it AdamW's update RMS at the same
+    # learning_rate; larger moves the hidden matrices faster than the lm_head and vectors (AdamW's steps)
+    muon_scale: float = spec(0.2, check="finite > 0")
     # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
     # AdamW (beta1, beta2), each in [0, 1)

@@ -876,7 +876,7 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_steps_the_rest_as_adamw():
             return self.lm_head(self.norm(self.fc(x)))
 
     tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95],
-                         muon_ns_steps=5, muon_block=0)
+                         muon_ns_steps=5, muon_block=0, muon_scale=0.2)
     model, twin = Tiny(), Tiny()
     twin.load_state_dict(model.state_dict())
     opt = optimizer(model, tc)
@@ -931,14 +931,14 @@ def test_muon_blocks_orthogonalize_each_run_of_rows_alone():
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
     tc = SimpleNamespace(optimizer="muon", learning_rate=1e-2, weight_decay=0.0, adam_betas=[0.9, 0.95],
-                         muon_ns_steps=3, muon_block=4)
+                         muon_ns_steps=3, muon_block=4, muon_scale=0.3)
     opt = optimizer(model, tc)
-    assert (opt.ns_steps, opt.block) == (3, 4)
+    assert (opt.ns_steps, opt.block, opt.scale) == (3, 4, 0.3)
     before = model[0].weight.detach().clone()
     model(torch.randn(32, 16)).square().mean().backward()
     opt.step()
     grad = model[0].weight.grad  # first step: the Nesterov update is the gradient scaled, which orthogonalize ignores
-    expect = before - 1e-2 * 0.2 * 16 ** 0.5 * orthogonalize(grad, 3, 4)
+    expect = before - 1e-2 * 0.3 * 16 ** 0.5 * orthogonalize(grad, 3, 4)  # muon_scale 0.3
     assert torch.allclose(model[0].weight.detach(), expect, atol=1e-6)
     with pytest.raises(RecipeError, match="train.muon_block. = 4 .* train.optimizer=adamw"):
         optimizer(model, SimpleNamespace(**{**vars(tc), "optimizer": "adamw"}))  # a Muon option doing nothing
