@@ -94,9 +94,10 @@ MLP ?= head.intermediate_size=768
 # Muon for the head's hidden matrices, each run of 64 rows (one attention head's q/k/v rows) orthogonalized on its
 # own: the Newton-Schulz iterations ~65 ms a step where whole matrices took ~330 ms, and Muon's per-step lead kept;
 # in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.709 / 1.700 -> 1.741 / 1.765 (seeds 0 / 1; whole
-# matrices, 3 iterations: 1.726; bench/RESULTS.md "## Muon in blocks of 64 rows", session 55); not yet through a
-# bf16 box's `make full`
-OPT ?= train.optimizer=muon train.muon_block=64
+# matrices, 3 iterations: 1.726; bench/RESULTS.md "## Muon in blocks of 64 rows", session 55); its update at 1.5x
+# AdamW's RMS (muon_scale 0.3 for 0.2): 1.782 / 1.771 (0.45: 1.761; "## Muon's step size", session 56). Not yet
+# through a bf16 box's `make full`
+OPT ?= train.optimizer=muon train.muon_block=64 train.muon_scale=0.3
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
       $(DEEP_LR) $(TTT_ROWS) $(MLP) $(OPT) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
 OWN ?= output_dir=$(OUT)/own data.skip_conversations=2600 data.max_conversations=320 data.eval_fraction=0 \

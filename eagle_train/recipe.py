@@ -253,7 +253,8 @@ class TrainConfig:
     # ~5x cheaper on the SmolLM2 head's matrices), 0: whole matrices
     muon_block: int = spec(0, check=">= 0")
     # Muon's update is scaled by muon_scale * sqrt(max(rows, cols)): 0.2 gives it AdamW's update RMS at the same
-    # learning_rate; larger moves the hidden matrices faster than the lm_head and vectors (AdamW's steps)
+    # learning_rate; larger moves the hidden matrices faster than the lm_head and vectors (AdamW's steps). 0.3 led
+    # 0.2 in 35-minute legs of the SmolLM2 head's phase A on two seeds (bench/RESULTS.md "## Muon's step size")
     muon_scale: float = spec(0.2, check="finite > 0")
     # AdamW decoupled weight decay of the matrices; norm gains and biases never decay (0: none)
     weight_decay: float = spec(0.0, check=">= 0")
