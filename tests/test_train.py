@@ -911,7 +911,8 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_steps_the_rest_as_adamw():
 def test_muon_blocks_orthogonalize_each_run_of_rows_alone():
     """train.muon_block: each run of `block` rows is orthogonalized on its own (equal to that block alone, every
     singular value ~1, the blocks not orthogonal to each other), a matrix the block does not divide goes whole;
-    train.muon_ns_steps reaches the optimizer, and fewer iterations leave the small singular values lower."""
+    train.muon_ns_steps and train.muon_scale reach the optimizer (the step is lr * muon_scale * sqrt(max(shape)) times
+    the blocked update), and fewer iterations leave the small singular values lower."""
     from types import SimpleNamespace
 
     from eagle_train.engine import optimizer, orthogonalize
@@ -942,6 +943,8 @@ def test_muon_blocks_orthogonalize_each_run_of_rows_alone():
     assert torch.allclose(model[0].weight.detach(), expect, atol=1e-6)
     with pytest.raises(RecipeError, match="train.muon_block. = 4 .* train.optimizer=adamw"):
         optimizer(model, SimpleNamespace(**{**vars(tc), "optimizer": "adamw"}))  # a Muon option doing nothing
+    with pytest.raises(RecipeError, match="train.muon_scale. = 0.3 are Muon's"):
+        optimizer(model, SimpleNamespace(**{**vars(tc), "optimizer": "adamw", "muon_block": 0, "muon_ns_steps": 5}))
 
 
 def test_fit_budget_shrinks_both_phases_by_one_factor():
