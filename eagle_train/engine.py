@@ -68,6 +68,8 @@ def adamw(params, tc):
 # Muon's momentum, and its Newton-Schulz coefficients and steps: a quintic iteration that moves every singular value
 # of a normalized matrix into ~[0.7, 1.2] in 5 steps (Jordan et al., 2024)
 MUON_MOMENTUM = 0.95
+# Muon's update is scaled by this times sqrt(max(rows, cols)) (train.muon_scale): 0.2 gives AdamW's update RMS
+MUON_SCALE = 0.2
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
@@ -98,7 +100,7 @@ class Muon(torch.optim.Optimizer):
     (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
 
     def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8,
-                 ns_steps: int = NS_STEPS, block: int = 0, scale: float = 0.2):
+                 ns_steps: int = NS_STEPS, block: int = 0, scale: float = MUON_SCALE):
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, muon=False))
         self.ns_steps, self.block, self.scale = ns_steps, block, scale
 
@@ -134,7 +136,7 @@ def optimizer(model, tc, deepspeed: bool = False):
     fc, attention and MLP projections), AdamW for the lm_head (an output layer) and the vectors."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
-        if tc.muon_block or tc.muon_ns_steps != NS_STEPS or tc.muon_scale != 0.2:  # Muon options doing nothing
+        if tc.muon_block or tc.muon_ns_steps != NS_STEPS or tc.muon_scale != MUON_SCALE:  # Muon options doing nothing
             raise RecipeError(f"`train.muon_block` = {tc.muon_block} / `train.muon_ns_steps` = {tc.muon_ns_steps} / "
                               f"`train.muon_scale` = {tc.muon_scale} are Muon's, but train.optimizer=adamw: set "
                               "train.optimizer=muon, or leave them out")
