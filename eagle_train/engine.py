@@ -95,9 +95,9 @@ def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, block: int = 0) -> tor
 
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al., 2024) for the groups with `muon` set: Nesterov momentum, each update orthogonalized and
-    scaled by 0.2 sqrt(max(rows, cols)), which gives it AdamW's update RMS (Liu et al., 2025, "Muon is scalable"),
-    so train.learning_rate, its schedule and the decoupled weight decay mean what they do for AdamW. The other groups
-    (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
+    scaled by `scale` sqrt(max(rows, cols)); at 0.2 that is AdamW's update RMS (Liu et al., 2025, "Muon is
+    scalable"), so train.learning_rate, its schedule and the decoupled weight decay mean what they do for AdamW. The
+    other groups (the lm_head, norm gains, biases) take AdamW steps with `betas`."""
 
     def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8,
                  ns_steps: int = NS_STEPS, block: int = 0, scale: float = MUON_SCALE):
