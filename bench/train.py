@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -83,7 +82,9 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     head.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
     counts = torch.bincount(ids.flatten(), minlength=model.config.vocab_size)
     head.set_draft_vocab(*build_draft_vocab(counts, 8192))
-    tc = OmegaConf.structured(TrainConfig(ttt_steps=steps))
+    kind, ns, block = (opt_name.split(":") + ["5", "0"])[:3]  # adamw, or muon[:ns_steps[:block]]
+    tc = OmegaConf.structured(TrainConfig(ttt_steps=steps, optimizer=kind, learning_rate=1e-4, muon_ns_steps=int(ns),
+                                          muon_block=int(block)))
     scale = f["aux"].pow(2).mean((0, 1)).sqrt()
     loss_fn = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                         token_weight=tc.token_weight, noise=tc.noise, feature_scale=scale,
@@ -98,9 +99,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     loss_mask[:, :int(L * user_fraction)] = 0
     b = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids), **f}
     b = add_targets(b, "eagle3", None, draft, t2d_index)
-    kind, ns, block = (opt_name.split(":") + ["5", "0"])[:3]  # adamw, or muon[:ns_steps[:block]]
-    opt = optimizer(head, SimpleNamespace(optimizer=kind, learning_rate=1e-4, weight_decay=0.0, adam_betas=[0.9, 0.95],
-                                          muon_ns_steps=int(ns), muon_block=int(block), muon_scale=0.2))
+    opt = optimizer(head, tc)  # the recipe's defaults for everything the setting does not name
     del model
 
     saved = {}
