@@ -308,6 +308,13 @@ class TrainConfig:
     # minutes held-out chain tau(3) rose 1.954 -> 1.975, MT-bench chain of 4 1.88 -> 1.92 (bench/RESULTS.md "## TTT
     # steps >= 1 at half the positions")
     ttt_rows: float = spec(1.0, check="in (0, 1]")
+    # EAGLE-3: while training, step 0's loss at a random `step0_rows` share of its trained positions, drawn per
+    # position and optimizer step (its keys stay everywhere: the context; evaluations use every position). Below 1
+    # a step skips that share's o_proj, MLP and lm_head rows, the bulk of a 1-step step
+    step0_rows: float = spec(1.0, check="in (0, 1]")
+    # EAGLE-3: dropout on the target's features (the head's input) while training: a regularizer for many epochs over
+    # one dump
+    dropout: float = spec(0.0, check="in [0, 1)")
     # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
     # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
     # (bench/RESULTS.md "## Training"); for long samples or several jobs on one box. On a CPU the default path (the

@@ -146,6 +146,11 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
     if cfg.train.shallow_steps > 0 and cfg.train.shallow_ttt > cfg.train.ttt_steps:
         problems.append(f"`train.shallow_ttt` = {cfg.train.shallow_ttt} > `train.ttt_steps` = {cfg.train.ttt_steps}: the "
                         "early steps are meant to unroll fewer TTT steps, not more; lower train.shallow_ttt")
+    if cfg.head.type == "eagle1":  # EAGLE-3's TTT unroll only: EAGLE-1/2 trains one step (its regularizer: train.noise)
+        for key, off in (("ttt_rows", 1.0), ("step0_rows", 1.0), ("dropout", 0.0)):
+            if cfg.train[key] != off:
+                problems.append(f"`train.{key}` = {cfg.train[key]} applies to EAGLE-3 heads, but `head.type` = "
+                                f"'eagle1': drop it (EAGLE-1/2's feature noise is train.noise)")
     if cfg.eval.tree == "dynamic" and cfg.eval.num_draft_tokens < cfg.eval.depth:
         problems.append(f"`eval.num_draft_tokens` = {cfg.eval.num_draft_tokens} < `eval.depth` = {cfg.eval.depth}: "
                         "a dynamic tree keeps at most that many nodes, so it never reaches that depth; "

@@ -131,6 +131,7 @@ def main(cfg, target=None, stop_after=None):
     model = DraftLoss(head, ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay, feature_weight=tc.feature_weight,
                       token_weight=tc.token_weight, noise=tc.noise, feature_scale=feature_scale,
                       recompute_attention=tc.recompute_attention, ttt_mask_topk=tc.ttt_mask_topk, ttt_rows=tc.ttt_rows,
+                      step0_rows=tc.step0_rows, dropout=tc.dropout,
                       fused=not (deepspeed and tc.zero_stage == 3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(model, tc, deepspeed)

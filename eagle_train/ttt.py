@@ -291,11 +291,15 @@ class DraftLoss(nn.Module):
     target's top-1 within its own top k (train.ttt_mask_topk)."""
 
     def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
-                 recompute_attention=False, fused=True, ttt_mask_topk=0, ttt_rows=1.0):
+                 recompute_attention=False, fused=True, ttt_mask_topk=0, ttt_rows=1.0, step0_rows=1.0,
+                 dropout=0.0):
         super().__init__()
         # TTT steps >= 1 run only at the positions where one of them trains, and while training at a random
         # `ttt_rows` share of those (train.ttt_rows)
         self.ttt_rows = ttt_rows
+        # step 0's loss, while training, at a random `step0_rows` share of its positions (train.step0_rows)
+        self.step0_rows = step0_rows
+        self.dropout = dropout  # EAGLE-3: dropout on the target's features while training (train.dropout)
         # fused: the lm_head and the loss chunk by chunk on the valid rows (LinearSoftCE); off under ZeRO-3, whose
         # partitioned lm_head weight is gathered only inside the module's own forward
         self.fused = fused
@@ -315,6 +319,8 @@ class DraftLoss(nn.Module):
         head, steps, k = self.head, self.ttt_steps, self.ttt_mask_topk
         ids, valid_tok, p = b["input_ids"], b["valid"], b["p"]
         aux = b["aux"] / self.feature_scale if self.feature_scale is not None else b["aux"]
+        if self.training and self.dropout > 0:
+            aux = F.dropout(aux, self.dropout)
         loss, stats = 0.0, {}
         alive = chain = None  # (B, n): every earlier step had the target's top-1 in its top-k / as its top-1
         n = ids.shape[1] - 1
@@ -322,6 +328,10 @@ class DraftLoss(nn.Module):
         # step 0's MLP where its loss or a deeper step reads it: a user turn's positions give only their keys (29%
         # of phase A's rows; a 1-step step 1.07x faster, bench/RESULTS.md "## The head's MLP at half width")
         rows0 = shift(valid_tok, 2)[:, :n].bool()
+        keep0 = None  # train.step0_rows: the positions where step 0's loss trains
+        if self.training and self.step0_rows < 1:
+            keep0 = rows0 & (torch.rand(rows0.shape, device=rows0.device) < self.step0_rows)
+            rows0 = keep0.clone()
         if deep is not None:
             rows0[deep] = True
 
@@ -332,6 +342,8 @@ class DraftLoss(nn.Module):
                                                 deep, rows0)):
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n]
+            if s == 0 and keep0 is not None:
+                valid = valid & keep0
             weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight
             target, top1 = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
             if s >= 1:

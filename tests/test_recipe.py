@@ -130,12 +130,16 @@ def test_field_rules_sit_beside_their_fields_and_name_the_key(tmp_path):
     assert load_recipe(in_file).eval.packed_verify == "on"
     with pytest.raises(RecipeError) as err:
         load_recipe(path, ["train.mixed_precision=fp8", "train.ttt_decay=0", "eval.temperatures=[0,-1]",
-                           "train.learning_rate=inf", "regen.top_p=1.5", "train.zero_stage=1", "train.ttt_rows=0"])
+                           "train.learning_rate=inf", "regen.top_p=1.5", "train.zero_stage=1", "train.ttt_rows=0",
+                           "train.step0_rows=1.5", "train.dropout=1"])
     msg = str(err.value)
-    assert "7 problem(s)" in msg, msg
+    assert "9 problem(s)" in msg, msg
     for needle in ("`train.mixed_precision` = 'fp8' is not one of auto, no, bf16, fp16",
-                   "`train.ttt_rows` = 0.0 must be in (0, 1]",
+                   "`train.ttt_rows` = 0.0 must be in (0, 1]", "`train.step0_rows` = 1.5 must be in (0, 1]",
+                   "`train.dropout` = 1.0 must be in [0, 1)",
                    "`train.ttt_decay` = 0.0 must be in (0, 1]", "`eval.temperatures` = [0.0, -1.0] must be >= 0",
                    "`train.learning_rate` = inf must be a finite number > 0", "`regen.top_p` = 1.5 must be in (0, 1]",
                    "`train.zero_stage` = 1 is not one of 2, 3"):
         assert needle in msg, (needle, msg)
+    with pytest.raises(RecipeError, match=r"`train.dropout` = 0.1 applies to EAGLE-3 heads, but `head.type` = 'eagle1'"):
+        load_recipe(path, ["head.type=eagle1", "train.dropout=0.1"])

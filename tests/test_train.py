@@ -250,6 +250,83 @@ def test_step0_mlp_runs_only_where_a_loss_or_deeper_step_reads_it(monkeypatch, s
             torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
 
 
+def test_step0_rows_trains_step_0_at_a_random_share():
+    """train.step0_rows=0.5: while training, step 0's loss at a random half of its positions, its MLP only there.
+    1 TTT step: loss and every gradient equal a full run on the batch whose valid tokens are cut to that half by
+    hand (the same draw). 3 steps: the deeper steps' counts are untouched. Evaluation (eval()) uses every position."""
+    import copy
+
+    B, L = 3, 64
+    n = L - 1
+    head, b = head_and_user_turn_batch(B, L)
+
+    def run(batch, share, steps, training=True, seed=1):
+        h = copy.deepcopy(head)
+        mlp_rows = []
+        h.midlayer.mlp.register_forward_hook(lambda m, x, y: mlp_rows.append(x[0].shape[:-1].numel()))
+        loss_fn = DraftLoss(h, ttt_steps=steps, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
+                            step0_rows=share)
+        loss_fn.train(training)
+        torch.manual_seed(seed)
+        loss, stats = loss_fn(batch)
+        if training:
+            loss.backward()
+        return loss.detach(), stats, {k: q.grad for k, q in h.named_parameters() if q.grad is not None}, mlp_rows
+
+    torch.manual_seed(1)
+    keep = torch.rand(B, n) < 0.5  # the draw DraftLoss makes after the same seed (1 step: no deep rows drawn)
+    cut = dict(b, valid=b["valid"].clone())
+    cut["valid"][:, 2:] &= keep[:, :L - 2]  # step 0 at position t trains on token t + 2
+    loss, stats, grads, rows = run(b, 0.5, 1)
+    ref, ref_stats, ref_grads, ref_rows = run(cut, 1.0, 1)
+    full = run(b, 1.0, 1)
+    torch.testing.assert_close(loss, ref)
+    assert torch.equal(stats["acc_0"], ref_stats["acc_0"])
+    assert 0.35 < stats["acc_0"][1] / full[1]["acc_0"][1] < 0.65
+    assert rows == ref_rows and rows[0] < 0.65 * full[3][0]
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+    _, stats3, _, _ = run(b, 0.5, 3)
+    _, full3, _, _ = run(b, 1.0, 3)
+    assert stats3["acc_0"][1] < 0.65 * full3["acc_0"][1]
+    for k in ("acc_1", "acc_2"):
+        assert torch.equal(stats3[k], full3[k]), k
+    evaluated, ref_eval = run(b, 0.5, 3, training=False), run(b, 1.0, 3, training=False)
+    torch.testing.assert_close(evaluated[0], ref_eval[0])
+    assert all(torch.equal(evaluated[1][k], ref_eval[1][k]) for k in ref_eval[1])
+
+
+def test_dropout_drops_features_while_training_only():
+    """train.dropout: while training the head reads F.dropout of the target's features (the same loss and gradients
+    as a run without it on features dropped by hand with the same draw); evaluation reads them whole."""
+    import copy
+
+    head, b = head_and_user_turn_batch(3, 64)
+
+    def run(batch, p, training=True):
+        h = copy.deepcopy(head)
+        loss_fn = DraftLoss(h, ttt_steps=3, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0, dropout=p)
+        loss_fn.train(training)
+        torch.manual_seed(1)
+        loss, stats = loss_fn(batch)
+        if training:
+            loss.backward()
+        return loss.detach(), stats, {k: q.grad for k, q in h.named_parameters() if q.grad is not None}
+
+    torch.manual_seed(1)
+    dropped = dict(b, aux=torch.nn.functional.dropout(b["aux"], 0.3))
+    assert 0.2 < (dropped["aux"] == 0).float().mean() < 0.4
+    (loss, stats, grads), (ref, ref_stats, ref_grads) = run(b, 0.3), run(dropped, 0.0)
+    torch.testing.assert_close(loss, ref)
+    assert all(torch.equal(stats[k], ref_stats[k]) for k in ref_stats)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(loss, run(b, 0.0)[0])
+    evaluated, whole = run(b, 0.3, training=False), run(b, 0.0, training=False)
+    assert torch.equal(evaluated[0], whole[0]) and all(torch.equal(evaluated[1][k], whole[1][k]) for k in whole[1])
+
+
 @pytest.mark.parametrize("target,mask", [("sparse", 0), ("dense", 0), ("sparse", 3), ("dense", 1)])
 def test_fused_loss_equals_logits_then_soft_ce(monkeypatch, target, mask):
     """DraftLoss(fused=True) (the lm_head and the soft CE chunk by chunk on the valid rows only, gradients formed
@@ -544,11 +621,11 @@ def test_smollm2_features_30_steps_learn(tmp_path, smollm2):
     assert m["eval/acc_0"] > m["eval0/acc_0"] + 0.05, m
 
 
-@pytest.mark.parametrize("head_type,more", [("eagle3", []), ("eagle1", []), ("eagle3", ["train.ttt_rows=0.5"])],
+@pytest.mark.parametrize("head_type,more", [("eagle3", []), ("eagle1", []), ("eagle3", ["train.ttt_rows=0.5", "train.step0_rows=0.5"])],
                          ids=["eagle3", "eagle1", "eagle3-ttt_rows"])
 def test_resume_after_kill_equals_uninterrupted(tmp_path, head_type, more):
-    """A resumed run ends bit-identical to an uninterrupted one (train.ttt_rows < 1 too: its draws come from the
-    RNG state the checkpoint restores)."""
+    """A resumed run ends bit-identical to an uninterrupted one (train.ttt_rows and train.step0_rows < 1 too: their
+    draws come from the RNG state the checkpoint restores)."""
     target = make_tiny_llama(vocab_size=128)
     data = tmp_path / "data"
     write_corpus(synthetic(n=24), data)
