@@ -310,10 +310,14 @@ class TrainConfig:
     ttt_rows: float = spec(1.0, check="in (0, 1]")
     # EAGLE-3: while training, step 0's loss at a random `step0_rows` share of its trained positions, drawn per
     # position and optimizer step (its keys stay everywhere: the context; evaluations use every position). Below 1
-    # a step skips that share's o_proj, MLP and lm_head rows, the bulk of a 1-step step
+    # a step skips that share's o_proj, MLP and lm_head rows: at 0.5 a SmolLM2 1-step step 0.91 -> 0.76 s and a 3-step
+    # one 1.72 -> 1.42 s on an AVX2 CPU, and in 35 minutes of phase A held-out chain tau(3) 1.790 / 1.776 (two seeds)
+    # against 1.782 / 1.771: a tie (bench/RESULTS.md "## Step 0 at half its rows, and dropout")
     step0_rows: float = spec(1.0, check="in (0, 1]")
-    # EAGLE-3: dropout on the target's features (the head's input) while training: a regularizer for many epochs over
-    # one dump
+    # EAGLE-3: dropout on the target's features (the head's input) while training. The head memorizes a dump it
+    # reads for many epochs (SmolLM2, 7 epochs of 0.52M tokens: acc_0 0.75 on its training conversations, 0.48 on
+    # unseen ones), but 0.1 left the unseen figure where it was (held-out chain tau(3) 1.769 against 1.782 / 1.771;
+    # bench/RESULTS.md "## Step 0 at half its rows, and dropout")
     dropout: float = spec(0.0, check="in [0, 1)")
     # recompute TTT steps' attention in backward instead of keeping their (batch, heads, n, n) scores: at 8 x 1280
     # tokens and 5 steps, activations 6.6 -> 3.5 GB and peak RSS 10.2 -> 7.0 GB for ~10% fewer tokens/s
