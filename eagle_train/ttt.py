@@ -288,7 +288,8 @@ class DraftLoss(nn.Module):
     with uniform input noise of half-width `noise` while training. `feature_scale`: per-dim RMS of
     the aux features; fc trains on aux / feature_scale and the scale is folded back on save.
     `ttt_mask_topk` k > 0: step s >= 1 trains only at the positions where every earlier step ranked the
-    target's top-1 within its own top k (train.ttt_mask_topk)."""
+    target's top-1 within its own top k (train.ttt_mask_topk). While training, `step0_rows` < 1 trains step 0 at a
+    random share of its positions (train.step0_rows) and `dropout` drops the target's features (train.dropout)."""
 
     def __init__(self, head, *, ttt_steps, ttt_decay, feature_weight, token_weight, noise, feature_scale=None,
                  recompute_attention=False, fused=True, ttt_mask_topk=0, ttt_rows=1.0, step0_rows=1.0,
@@ -342,9 +343,9 @@ class DraftLoss(nn.Module):
                                                 deep, rows0)):
             # the predicted token t+2+s is real, trained on, and its target top-1 is in the draft vocabulary
             valid = shift(valid_tok, 2 + s)[:, :n]
-            if s == 0 and keep0 is not None:
-                valid = valid & keep0
             weight = shift(b["weight"], 2 + s)[:, :n] if "weight" in b else valid.float()  # train.copy_weight
+            if s == 0 and keep0 is not None:
+                valid, weight = valid & keep0, weight * keep0
             target, top1 = cut(shift_target(p, 1 + s), n), shift(b["top1"], 1 + s)[:, :n]
             if s >= 1:
                 valid, weight, top1 = sub(valid), sub(weight), sub(top1)

@@ -250,22 +250,25 @@ def test_step0_mlp_runs_only_where_a_loss_or_deeper_step_reads_it(monkeypatch, s
             torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
 
 
-def test_step0_rows_trains_step_0_at_a_random_share():
+@pytest.mark.parametrize("fused", [True, False])
+def test_step0_rows_trains_step_0_at_a_random_share(fused):
     """train.step0_rows=0.5: while training, step 0's loss at a random half of its positions, its MLP only there.
-    1 TTT step: loss and every gradient equal a full run on the batch whose valid tokens are cut to that half by
-    hand (the same draw). 3 steps: the deeper steps' counts are untouched. Evaluation (eval()) uses every position."""
+    1 TTT step: loss and every gradient equal a full run on the batch whose valid tokens (and copy weights) are cut
+    to that half by hand (the same draw), fused loss or plain logits. 3 steps: the deeper steps' counts are
+    untouched. Evaluation (eval()) uses every position."""
     import copy
 
     B, L = 3, 64
     n = L - 1
     head, b = head_and_user_turn_batch(B, L)
+    b["weight"] = b["valid"].float() * (1 + torch.rand(B, L))  # train.copy_weight's
 
     def run(batch, share, steps, training=True, seed=1):
         h = copy.deepcopy(head)
         mlp_rows = []
         h.midlayer.mlp.register_forward_hook(lambda m, x, y: mlp_rows.append(x[0].shape[:-1].numel()))
         loss_fn = DraftLoss(h, ttt_steps=steps, ttt_decay=0.8, feature_weight=0, token_weight=0, noise=0,
-                            step0_rows=share)
+                            step0_rows=share, fused=fused)
         loss_fn.train(training)
         torch.manual_seed(seed)
         loss, stats = loss_fn(batch)
@@ -275,8 +278,9 @@ def test_step0_rows_trains_step_0_at_a_random_share():
 
     torch.manual_seed(1)
     keep = torch.rand(B, n) < 0.5  # the draw DraftLoss makes after the same seed (1 step: no deep rows drawn)
-    cut = dict(b, valid=b["valid"].clone())
+    cut = dict(b, valid=b["valid"].clone(), weight=b["weight"].clone())
     cut["valid"][:, 2:] &= keep[:, :L - 2]  # step 0 at position t trains on token t + 2
+    cut["weight"][:, 2:] *= keep[:, :L - 2]
     loss, stats, grads, rows = run(b, 0.5, 1)
     ref, ref_stats, ref_grads, ref_rows = run(cut, 1.0, 1)
     full = run(b, 1.0, 1)
