@@ -61,7 +61,7 @@ def features(L, B):
 
 
 def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_fraction=0.0, attention="merged",
-        ttt_rows="1", step0_rows="loss", opt_name="adamw", mlp=0):
+        ttt_rows="1", step0_mlp="loss", opt_name="adamw", mlp=0):
     from eagle_train.batches import add_targets
     from eagle_train.draft_vocab import build_draft_vocab, draft_ids_of
     from eagle_train.engine import optimizer
@@ -72,7 +72,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
     from omegaconf import OmegaConf
 
     ttt.MERGED = ttt.MERGED and attention == "merged"
-    if step0_rows == "all":  # step 0's o_proj and MLP at every position, user turns included (as before)
+    if step0_mlp == "all":  # step 0's o_proj and MLP at every position, user turns included (as before)
         unroll = ttt.ttt_unroll
         ttt.ttt_unroll = lambda *a: unroll(*a[:7])
     torch.set_num_threads(2)
@@ -123,7 +123,7 @@ def one(L, steps, B, iters, precision="fp32", recompute=False, fused=True, user_
             times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
     return {"L": L, "B": B, "ttt_steps": steps, "precision": precision, "fused": "on" if fused else "off",
-            "attention": attention, "ttt_rows": ttt_rows, "step0_rows": step0_rows, "optimizer": opt_name,
+            "attention": attention, "ttt_rows": ttt_rows, "step0_mlp": step0_mlp, "optimizer": opt_name,
             "mlp": mlp or "target's",
             "tokens_per_s": B * L / sec, "sec_per_step": sec,
             "activation_mib": activ / 2**20, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -145,7 +145,7 @@ def main():
     # train.ttt_rows values to compare ("all": TTT steps >= 1 at every position, as before the option)
     ap.add_argument("--ttt-rows", nargs="+", default=["1"])
     # step 0's o_proj and MLP at the positions a loss or a deeper step reads (training's) or at all; both: the ratio
-    ap.add_argument("--step0-rows", choices=["loss", "all", "both"], default="loss")
+    ap.add_argument("--step0-mlp", choices=["loss", "all", "both"], default="loss")
     # train.optimizer settings to compare: adamw, or muon[:muon_ns_steps[:muon_block]] (muon = muon:5:0)
     ap.add_argument("--optimizers", nargs="+", default=["adamw"])
     # head.intermediate_size (0: the target's, 1,536)
@@ -165,7 +165,7 @@ def main():
                                                for fu in (["off", "on"] if a.fused == "both" else [a.fused])
                                                for at in (["dense", "merged"] if a.attention == "both" else [a.attention])
                                                for tr in a.ttt_rows
-                                               for s0 in (["all", "loss"] if a.step0_rows == "both" else [a.step0_rows])
+                                               for s0 in (["all", "loss"] if a.step0_mlp == "both" else [a.step0_mlp])
                                                for op in a.optimizers]:
                         out = subprocess.run([sys.executable, __file__, "--one", str(L), str(steps), prec, rc, fu, at,
                                               tr, s0, op, "--batch", str(a.batch), "--iters", str(a.iters),
@@ -177,14 +177,14 @@ def main():
              "ttt_rows | step-0 MLP rows | MLP units | optimizer | tokens/s | s/step | activations (MiB) | "
              "peak RSS (MiB) |", "|---" * 15 + "|"]
     lines += [f"| {r['L']} | {r['B']} | {r['ttt_steps']} | {r['precision']} | {r['recompute']} | {r['fused']} | "
-              f"{r['attention']} | {r['ttt_rows']} | {r['step0_rows']} | {r['mlp']} | {r['optimizer']} | "
+              f"{r['attention']} | {r['ttt_rows']} | {r['step0_mlp']} | {r['mlp']} | {r['optimizer']} | "
               f"{r['tokens_per_s']:.0f} | {r['sec_per_step']:.2f} | {r['activation_mib']:.0f} | "
               f"{r['peak_rss_mib']:.0f} |" for r in rows]
     checks = []
     for r in rows:  # each optimizer against the first one listed, in the same setting
         first = [q for q in rows if q["optimizer"] == a.optimizers[0] and all(
             q[k] == r[k] for k in ("L", "ttt_steps", "precision", "recompute", "fused", "attention", "ttt_rows",
-                                   "step0_rows"))]
+                                   "step0_mlp"))]
         if r["optimizer"] != a.optimizers[0] and first:
             checks.append(f"L={r['L']}, ttt_steps={r['ttt_steps']}, {r['precision']}: optimizer {r['optimizer']} / "
                           f"{a.optimizers[0]} s/step = {r['sec_per_step'] / first[0]['sec_per_step']:.2f}")
@@ -194,18 +194,18 @@ def main():
             for prec in a.precisions:  # each train.ttt_rows value against the first one listed
                 tr = {r["ttt_rows"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
                       and r["precision"] == prec and r["recompute"] == rows[0]["recompute"]
-                      and r["step0_rows"] == rows[0]["step0_rows"]
+                      and r["step0_mlp"] == rows[0]["step0_mlp"]
                       and r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
                 checks += [f"L={L}, ttt_steps={steps}, {prec}: ttt_rows {v} / {a.ttt_rows[0]} tokens/s = "
                            f"{tr[v] / tr[a.ttt_rows[0]]:.2f}" for v in a.ttt_rows[1:] if v in tr and a.ttt_rows[0] in tr]
-                s0 = {r["step0_rows"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
+                s0 = {r["step0_mlp"]: r["tokens_per_s"] for r in rows if r["L"] == L and r["ttt_steps"] == steps
                       and r["precision"] == prec and r["ttt_rows"] == rows[0]["ttt_rows"]}
                 if {"loss", "all"} <= set(s0):
                     checks.append(f"L={L}, ttt_steps={steps}, {prec}: step-0 MLP at the read rows / at all rows "
                                   f"tokens/s = {s0['loss'] / s0['all']:.2f}")
             same = [r for r in rows if r["L"] == L and r["ttt_steps"] == steps
                     and r["recompute"] == rows[0]["recompute"] and r["ttt_rows"] == rows[0]["ttt_rows"]
-                    and r["step0_rows"] == rows[0]["step0_rows"]]
+                    and r["step0_mlp"] == rows[0]["step0_mlp"]]
             t = {r["precision"]: r["tokens_per_s"] for r in same
                  if r["fused"] == rows[0]["fused"] and r["attention"] == rows[0]["attention"]}
             if {"fp32", "bf16"} <= set(t):
@@ -224,7 +224,7 @@ def main():
     for L in a.lengths:
         m = {r["ttt_steps"]: r["activation_mib"] for r in rows if r["L"] == L and r["precision"] == a.precisions[0]
              and r["recompute"] == rows[0]["recompute"] and r["fused"] == rows[0]["fused"]
-             and r["ttt_rows"] == rows[0]["ttt_rows"] and r["step0_rows"] == rows[0]["step0_rows"]
+             and r["ttt_rows"] == rows[0]["ttt_rows"] and r["step0_mlp"] == rows[0]["step0_mlp"]
              and r["attention"] == rows[0]["attention"]}
         if not {1, 3, 7} <= set(m):
             continue

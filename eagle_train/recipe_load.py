@@ -13,7 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle_train.recipe import CHECKS, Recipe, RecipeError
+from eagle_train.recipe import CHECKS, Recipe, RecipeError, TrainConfig
 
 
 def _specs():
@@ -147,8 +147,9 @@ def validate(cfg: DictConfig, where: str = "recipe") -> None:
         problems.append(f"`train.shallow_ttt` = {cfg.train.shallow_ttt} > `train.ttt_steps` = {cfg.train.ttt_steps}: the "
                         "early steps are meant to unroll fewer TTT steps, not more; lower train.shallow_ttt")
     if cfg.head.type == "eagle1":  # EAGLE-3's TTT unroll only: EAGLE-1/2 trains one step (its regularizer: train.noise)
-        for key, off in (("ttt_rows", 1.0), ("step0_rows", 1.0), ("dropout", 0.0)):
-            if cfg.train[key] != off:
+        off = TrainConfig()  # their defaults: off
+        for key in ("ttt_rows", "step0_rows", "dropout"):
+            if cfg.train[key] != getattr(off, key):
                 problems.append(f"`train.{key}` = {cfg.train[key]} applies to EAGLE-3 heads, but `head.type` = "
                                 f"'eagle1': drop it (EAGLE-1/2's feature noise is train.noise)")
     if cfg.eval.tree == "dynamic" and cfg.eval.num_draft_tokens < cfg.eval.depth:
