@@ -92,14 +92,16 @@ DEEP_LR ?= train.deep_learning_rate=1e-3
 TTT_ROWS ?= train.ttt_rows=0.5
 # The head's MLP at half the target's width (768 of 1,536 units): a 1-step step 1.04 -> 0.94 s, a 3-step one 1.90
 # -> 1.69 s, and in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.693 -> 1.709 (384 units: 1.697;
-# bench/RESULTS.md "## The head's MLP at half width", session 54); not yet through a bf16 box's `make full`
+# bench/RESULTS.md "## The head's MLP at half width", session 54). With OPT below, a clean clone's `make full` on a
+# bf16 box: held-out chain tau(3) 1.969 -> 2.060, MT-bench chain of 4 on 40 x 2 1.93 -> 2.05 (session 59,
+# "## `make full` with the 768-unit MLP and Muon in blocks of 64 on a clean clone")
 MLP ?= head.intermediate_size=768
 # Muon for the head's hidden matrices, each run of 64 rows (one attention head's q/k/v rows) orthogonalized on its
 # own: the Newton-Schulz iterations ~65 ms a step where whole matrices took ~330 ms, and Muon's per-step lead kept;
 # in 35 minutes of phase A on an AVX2 box held-out chain tau(3) 1.709 / 1.700 -> 1.741 / 1.765 (seeds 0 / 1; whole
 # matrices, 3 iterations: 1.726; bench/RESULTS.md "## Muon in blocks of 64 rows", session 55); its update at 1.5x
-# AdamW's RMS (muon_scale 0.3 for 0.2): 1.782 / 1.771 (0.45: 1.761; "## Muon's step size", session 56). Not yet
-# through a bf16 box's `make full`
+# AdamW's RMS (muon_scale 0.3 for 0.2): 1.782 / 1.771 (0.45: 1.761; "## Muon's step size", session 56); through a
+# bf16 box's `make full` with MLP: see MLP above
 OPT ?= train.optimizer=muon train.muon_block=64 train.muon_scale=0.3
 PA ?= train.micro_batch_size=4 train.max_steps=5600 train.shallow_steps=3800 train.warmup_steps=60 \
       $(DEEP_LR) $(TTT_ROWS) $(MLP) $(OPT) train.eval_every=200 train.save_every=200 "train.extra_dumps=$$(cat $(OUT)/extra)"
