@@ -63,8 +63,9 @@ FULL ?= output_dir=$(OUT)
 # the second and third corpora: more distinct tokens for phase A's steps (on the first corpus alone 900 steps = 4.6
 # epochs); the third starts after phase B's prompts (2,601-2,920), so no prompt is seen twice. Distinct text still
 # pays at equal phase-A time: 35 minutes of PA on an AVX2 box over one, two and three corpora, held-out chain tau(3)
-# 1.78 / 1.84 / 1.86, on unseen conversations 1.76 / 1.80 / 1.83; a fourth corpus (a 7-10-min dump on a bf16 CPU,
-# 22 min on an AVX2 one) is the next A/B for a bf16 box (bench/RESULTS.md "## More distinct text", session 58)
+# 1.78 / 1.84 / 1.86, on unseen conversations 1.76 / 1.80 / 1.83 ("## More distinct text", session 58). A fourth
+# (3,721-4,520) tied on a bf16 box at the same FULL_MINUTES: its 9-min dump costs the steps it buys back, held-out
+# chain tau(3) 2.061 -> 2.063, unseen 2.110 -> 2.118 (bench/RESULTS.md "## A fourth corpus at equal", session 60)
 MOREA ?= output_dir=$(OUT)/more data.skip_conversations=1800 data.max_conversations=800 data.eval_fraction=0
 MOREB ?= output_dir=$(OUT)/more3 data.skip_conversations=2920 data.max_conversations=800 data.eval_fraction=0
 # phase A's first 1,900 steps unroll 1 TTT step (~1/3 of a 3-step one's time), its last 900 all 3: held-out acc_0

@@ -10,7 +10,9 @@ decoder accepts exactly these). Positions are bucketed like the eval report's ta
 the 3 tokens before it occurred earlier in prompt + reply and were followed by this token then, i.e. prompt lookup
 would propose it (repeats and loops), split into copies from the prompt (and those of them the draft vocabulary
 holds) and repeats of the reply; "outside draft vocab": the target's token is not in the (first) head's draft
-vocabulary, so no head can draft it. --record files the table under `## Accuracy by reply position`.
+vocabulary, so no head can draft it; "in vocab, target p ...": tokens the draft vocabulary holds, by the target's own
+probability of its greedy token there (is a set hard for the head where the target is sure, or where the target
+itself hesitates?). --record files the table under `## Accuracy by reply position`.
 --depth D > 1 (EAGLE-3 heads) adds a second table: a chain of D drafted from every reply position, the head's later
 steps reading their own output as training's TTT does; per depth d the share accepted given depth d - 1 was (the eval
 report's accept-by-depth for a chain, free of a tree's shape and of bf16 divergence) and the chain's tau.
@@ -89,6 +91,7 @@ def main(argv=None):
             with torch.no_grad():
                 logits, feats = target_forward(model, full, DynamicCache(), aux)
                 top = logits.argmax(-1)  # top[t]: the target's greedy token t + 1
+                sure = logits.float().softmax(-1).amax(-1)  # sure[t]: the target's probability of top[t]
                 hits = [teacher_forced_drafts(head, full, feats)[P - 1:L - 2] == top[P:L - 1] for head in heads]
             # reply tokens 1..len(gen)-1 (token 0 is the prefill's own, never drafted)
             # the text's own next token as the guess: prompt lookup would propose reply token j + 1
@@ -100,6 +103,7 @@ def main(argv=None):
                 keys += [(name, copied)] * bool(copied) + [(name, "outside draft vocab")] * (not vocab)
                 # is a copy from the prompt missed for want of the token in the draft vocabulary?
                 keys += [(name, "copy from prompt, in draft vocab")] * (copied == "copy from prompt" and vocab)
+                keys += [(name, confidence_label(float(sure[P + j])))] * vocab
                 for key in keys:
                     row = rows.setdefault(key, [0] + [0] * len(heads))
                     row[0] += 1
@@ -112,7 +116,7 @@ def main(argv=None):
             print(f"[reply_position] {name} {p['id']}: {len(gen)} tokens ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     order = POSITION_LABELS + ["copyable", "copy from prompt", "copy from prompt, in draft vocab", "copy from reply",
-                               "other", "outside draft vocab"]
+                               "other", "outside draft vocab"] + CONFIDENCE_LABELS
     lines = [f"`python bench/reply_position.py {shlex.join(argv)}`: {args.prompts} first turns per set, "
              f"{args.new_tokens} new tokens, target {cfg.eval.target_dtype or cfg.target.dtype}, "
              f"{time.strftime('%Y-%m-%d')}", "",
@@ -134,6 +138,13 @@ def main(argv=None):
                 tau = 1 + sum(hit for _, hit in counts) / max(1, counts[0][0])
                 lines.append(f"| {name} | {label} | " + " | ".join(f"{r:.3f}" for r in rates) + f" | {tau:.3f} |")
     publish("Accuracy by reply position", lines, args.record)
+
+
+CONFIDENCE_LABELS = ["in vocab, target p >= 0.9", "in vocab, target p 0.5-0.9", "in vocab, target p < 0.5"]
+
+
+def confidence_label(p):
+    return CONFIDENCE_LABELS[0 if p >= 0.9 else 1 if p >= 0.5 else 2]
 
 
 @torch.no_grad()
